@@ -1,0 +1,144 @@
+"""Shared plumbing of the benchmarks: options, tables, JSON, PNG, progress."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Progress", "add_common_arguments", "percentiles", "print_table", "write_report", "pyplot"]
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, png: bool = True) -> None:
+    """``--quick`` and ``--json PATH`` (every bench), ``--png PATH`` (if it plots)."""
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    if png:
+        parser.add_argument("--png", metavar="PATH", help="write a plot as PNG")
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p99, max, min and std of ``samples``."""
+    a = np.asarray(samples, dtype=float)
+    if a.size == 0:
+        return {k: math.nan for k in ("mean", "p50", "p99", "max", "min", "std")}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+        "min": float(a.min()),
+        "std": float(a.std()),
+    }
+
+
+def print_table(rows: Sequence[dict[str, Any]], title: str = "", file: Any = None) -> None:
+    """Print dict rows as an aligned text table."""
+    file = file or sys.stdout
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    if title:
+        print(title, file=file)
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)), file=file)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return "-" if v is None else str(v)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+
+
+def write_report(path: str | None, summary: dict[str, Any], **details: Any) -> dict[str, Any]:
+    """Write ``{"summary": ..., "environment": ..., **details}`` to ``path`` (if given)."""
+    report = {"summary": summary, "environment": environment(), **details}
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    return report
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot with the Agg backend (headless); needs the ``bench`` extra."""
+    from .._optional import require
+
+    mpl = require("matplotlib")
+    mpl.use("Agg")
+    return require("matplotlib.pyplot")
+
+
+class Progress:
+    """A one-line progress bar on stderr (silent when stderr is not a TTY
+    unless ``force``): ``with Progress(total, "label") as bar: bar.advance()``."""
+
+    def __init__(self, total: int, label: str = "", *, force: bool = False) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.done = 0
+        self.enabled = force or sys.stderr.isatty()
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> Progress:
+        self._draw()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def advance(self, n: int = 1, note: str = "") -> None:
+        self.done = min(self.done + n, self.total)
+        self._draw(note)
+
+    def _draw(self, note: str = "") -> None:
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        bar = "#" * int(30 * frac)
+        elapsed = time.monotonic() - self._t0
+        sys.stderr.write(
+            f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}"
+        )
+        sys.stderr.flush()
+
+
+def iter_progress(items: Iterable[Any], total: int, label: str) -> Iterable[Any]:
+    with Progress(total, label) as bar:
+        for item in items:
+            yield item
+            bar.advance()
