@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Progress", "add_common_arguments", "percentiles", "print_table", "write_report", "pyplot"]
+__all__ = [
+    "Progress",
+    "add_common_arguments",
+    "percentiles",
+    "print_table",
+    "write_report",
+    "pyplot",
+]
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, png: bool = True) -> None:

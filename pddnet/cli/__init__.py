@@ -42,8 +42,6 @@ def _benches() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-
-
 def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pddnet", description="pddnet: cross-datacenter prefill/decode handoff middleware"
@@ -55,8 +53,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         if name == wanted:
             mod = importlib.import_module(module)
-            mod.add_arguments(p)  # type: ignore[attr-defined]
-            p.set_defaults(_main=mod.main)  # type: ignore[attr-defined]
+            mod.add_arguments(p)
+            p.set_defaults(_main=mod.main)
     bench = sub.add_parser("bench", help="run a benchmark (pddnet bench --help lists them)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     after = argv[argv.index("bench") + 1 :] if wanted == "bench" else []
@@ -65,8 +63,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         bp = bench_sub.add_parser(name, help=help_, description=help_)
         if name == bench_wanted:
             mod = importlib.import_module(f"pddnet.bench.{name}")
-            mod.add_arguments(bp)  # type: ignore[attr-defined]
-            bp.set_defaults(_main=mod.main)  # type: ignore[attr-defined]
+            mod.add_arguments(bp)
+            bp.set_defaults(_main=mod.main)
     return parser
 
 

@@ -73,7 +73,7 @@ class KVLayout:
             raise LayoutMismatch("an MLA layout has exactly one latent head")
         if self.mla and self.kv_major:
             raise LayoutMismatch("an MLA layout has no separate K and V planes")
-        self.np_dtype  # validates the dtype
+        _ = self.np_dtype  # validates the dtype
 
     # ----------------------------------------------------------------- sizes
     @property

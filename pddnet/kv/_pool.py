@@ -39,9 +39,7 @@ class KVPool:
     ) -> None:
         buffers = list(buffers)
         if len(buffers) != layout.num_buffers():
-            raise LayoutMismatch(
-                f"layout wants {layout.num_buffers()} buffers, got {len(buffers)}"
-            )
+            raise LayoutMismatch(f"layout wants {layout.num_buffers()} buffers, got {len(buffers)}")
         if num_blocks is None:
             axis = 1 if layout.kv_major else 0
             if layout.fused:

@@ -98,7 +98,9 @@ class ChunkHeader:
         return head + _HEADER_CRC.pack(crc32c(head))
 
     @classmethod
-    def decode(cls, data: bytes | bytearray | memoryview, max_length: int = K_MAX_CHUNK_LENGTH) -> ChunkHeader:
+    def decode(
+        cls, data: bytes | bytearray | memoryview, max_length: int = K_MAX_CHUNK_LENGTH
+    ) -> ChunkHeader:
         """Parse exactly one header.
 
         Raises:
@@ -123,7 +125,9 @@ class ChunkHeader:
             kind_e = ChunkKind(kind)
             algo_e = ChecksumAlgo(algo)
         except ValueError as exc:
-            raise RemoteProtocolError(f"bad chunk kind/algo {kind}/{algo}", transfer_id=tid) from exc
+            raise RemoteProtocolError(
+                f"bad chunk kind/algo {kind}/{algo}", transfer_id=tid
+            ) from exc
         if flags:
             raise RemoteProtocolError(f"unknown chunk flags {flags:#x}", transfer_id=tid)
         if length == 0 or length > max_length:

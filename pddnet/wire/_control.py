@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import msgpack
 
@@ -119,6 +119,7 @@ def _checker(tp: Any, field: str) -> Callable[[Any, ControlLimits], bool]:
     raise TypeError(f"unsupported type {tp!r} for control message field {field}")
 
 
+@dataclass_transform(frozen_default=True)
 def message(type_id: int) -> Callable[[M], M]:
     """Class decorator: register a control message type under ``type_id``.
 
@@ -130,14 +131,14 @@ def message(type_id: int) -> Callable[[M], M]:
             raise ValueError("control type ids are one byte")
         if type_id in _REGISTRY:
             raise ValueError(f"control type id {type_id} already used by {_REGISTRY[type_id]}")
-        dc = dataclass(frozen=True, slots=True)(cls)
+        dc: Any = dataclass(frozen=True, slots=True)(cls)
         hints = typing.get_type_hints(dc)
         dc.TYPE_ID = type_id
         dc._CHECKERS = tuple(
             (f.name, _checker(hints[f.name], f.name)) for f in dataclasses.fields(dc)
         )
         _REGISTRY[type_id] = dc
-        return dc
+        return typing.cast(M, dc)
 
     return wrap
 
@@ -157,15 +158,33 @@ class Frame:
     message: Message
 
 
+_DEFAULT_LIMITS = ControlLimits()
+_MAC_BASES: dict[bytes, Any] = {}
+
+
 def _tag(key: bytes, src: str, dst: str, body: bytes) -> bytes:
-    mac = hmac.new(key, src.encode() + b"\0" + dst.encode() + b"\0", hashlib.sha256)
+    # Copying a keyed HMAC object skips re-deriving the inner and outer pads.
+    base = _MAC_BASES.get(key)
+    if base is None:
+        if len(_MAC_BASES) > 64:
+            _MAC_BASES.clear()
+        base = _MAC_BASES[key] = hmac.new(key, digestmod=hashlib.sha256)
+    mac = base.copy()
+    mac.update(f"{src}\0{dst}\0".encode())
     mac.update(body)
     return mac.digest()[:K_TAG_SIZE]
 
 
 def encode_frame(
-    msg: Message, *, key: bytes, src: str, dst: str, seq: int, corr: int = 0,
-    kind: FrameKind = FrameKind.EVENT, limits: ControlLimits | None = None,
+    msg: Message,
+    *,
+    key: bytes,
+    src: str,
+    dst: str,
+    seq: int,
+    corr: int = 0,
+    kind: FrameKind = FrameKind.EVENT,
+    limits: ControlLimits | None = None,
 ) -> bytes:
     """Encode and authenticate one control message.
 
@@ -173,7 +192,7 @@ def encode_frame(
         LocalProtocolError: if the message is unregistered, fails its own schema,
             or encodes larger than ``limits.max_message_bytes``.
     """
-    limits = limits or ControlLimits()
+    limits = limits or _DEFAULT_LIMITS
     cls = type(msg)
     if _REGISTRY.get(getattr(cls, "TYPE_ID", -1)) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered control message")
@@ -206,7 +225,7 @@ def decode_frame(
         RemoteProtocolError: if the frame is oversized, malformed, of another
             version or an unknown type, or breaks its schema.
     """
-    limits = limits or ControlLimits()
+    limits = limits or _DEFAULT_LIMITS
     if len(data) > limits.max_message_bytes:
         raise RemoteProtocolError(f"control frame of {len(data)} bytes over the limit", peer=src)
     if len(data) <= K_TAG_SIZE:
@@ -220,7 +239,6 @@ def decode_frame(
             raw=False,
             use_list=True,
             strict_map_key=True,
-            max_buffer_size=limits.max_message_bytes,
             max_str_len=limits.max_str,
             max_bin_len=max(limits.max_bytes, 5 * limits.max_tokens),
             max_array_len=limits.max_ranges,

@@ -1,0 +1,144 @@
+"""The control plane across two OS processes on tcp://127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import zmq
+
+from pddnet import AuthError, PeerUnavailable, RemoteCallError, TransferTimeout
+from pddnet.control import ControlNode
+from pddnet.wire import FrameKind, Hello, Ping, Pong, encode_frame
+
+sys.path.insert(0, str(Path(__file__).parent))
+from control_peer import Note, Report
+
+KEY = "an-honest-shared-secret-0123456789"
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "control_peer.py"), KEY],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def report(node: ControlNode) -> Report:
+    reply = await node.request("server", Report([], 0, 0), timeout=5)
+    assert isinstance(reply, Report)
+    return reply
+
+
+async def test_request_reply_and_events_across_processes(server: str) -> None:
+    async with ControlNode("client", secret=KEY) as node:
+        await node.connect("server", server)
+        assert await node.request("server", Ping(b"hi"), timeout=5) == Pong(b"hi")
+        for i in range(50):
+            await node.send("server", Note(f"n{i}"))
+        r = await report(node)
+        assert r.texts == [f"client:n{i}" for i in range(50)]  # all delivered, in order
+        with pytest.raises(RemoteCallError, match="no handler"):
+            await node.request("server", Hello("x", 1), timeout=5)
+        assert node.statistics().timeouts == 0
+
+
+async def test_forged_and_replayed_frames_are_dropped(server: str) -> None:
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.IDENTITY, b"mallory")
+    raw.connect(server)
+    try:
+        async with ControlNode("client", secret=KEY) as node:
+            await node.connect("server", server)
+            await report(node)  # the server is up
+            # 1. forged: right format, wrong key
+            forged = encode_frame(
+                Note("forged"), key=b"x" * 32, src="mallory", dst="server", seq=trio_ns()
+            )
+            raw.send(forged)
+            # 2. a genuine frame, then the same bytes again: a replay
+            good = encode_frame(
+                Note("genuine"),
+                key=KEY.encode(),
+                src="mallory",
+                dst="server",
+                seq=trio_ns(),
+                kind=FrameKind.EVENT,
+            )
+            raw.send(good)
+            raw.send(good)
+            # 3. a genuine frame claiming to be from someone else
+            raw.send(
+                encode_frame(
+                    Note("spoof"), key=KEY.encode(), src="client", dst="server", seq=trio_ns()
+                )
+            )
+            with trio.fail_after(5):
+                while True:
+                    r = await report(node)
+                    if r.rejected_auth >= 2 and r.rejected_replay >= 1:
+                        break
+                    await trio.sleep(0.02)
+            assert r.texts == ["mallory:genuine"]
+            assert (r.rejected_auth, r.rejected_replay) == (2, 1)
+    finally:
+        raw.close(0)
+
+
+def trio_ns() -> int:
+    import time
+
+    return time.time_ns()
+
+
+async def test_timeouts_and_unknown_peers_are_typed() -> None:
+    async with ControlNode("lonely", secret=KEY) as node:
+        await node.connect("ghost", "tcp://127.0.0.1:9")  # nobody listens there
+        with trio.fail_after(5), pytest.raises(TransferTimeout) as info:
+            await node.request("ghost", Ping(), timeout=0.2)
+        assert info.value.peer == "ghost"
+        with pytest.raises(PeerUnavailable):
+            await node.send("never-connected", Ping())
+
+
+async def test_both_directions_on_one_connection() -> None:
+    async with ControlNode("a", secret=KEY) as a, ControlNode("b", secret=KEY) as b:
+        got: list[str] = []
+
+        async def on_note(peer: str, msg: Note) -> None:
+            got.append(f"{peer}:{msg.text}")
+
+        b.route(Note, on_note)
+        a.route(Note, on_note)
+        await b.connect("a", a.address)
+        await b.send("a", Note("b->a"))
+        assert await b.ping("a") >= 0
+        await a.send("b", Note("a->b via router"))  # a never connected to b
+        with trio.fail_after(5):
+            while len(got) < 2:
+                await trio.sleep(0.01)
+        assert sorted(got) == ["a:a->b via router", "b:b->a"]
+
+
+def test_missing_secret_is_an_auth_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDDNET_SECRET", raising=False)
+    with pytest.raises(AuthError):
+        ControlNode("x")
+    with pytest.raises(AuthError):
+        ControlNode("x", secret="short")
+    monkeypatch.setenv("PDDNET_SECRET", KEY)
+    assert ControlNode("x").name == "x"
