@@ -111,6 +111,8 @@ async def test_timeouts_and_unknown_peers_are_typed() -> None:
         with trio.fail_after(5), pytest.raises(TransferTimeout) as info:
             await node.request("ghost", Ping(), timeout=0.2)
         assert info.value.peer == "ghost"
+        with trio.fail_after(5), pytest.raises(TransferTimeout):
+            await node.send("ghost", Ping(), timeout=0.2)  # no connection: queue never drains
         with pytest.raises(PeerUnavailable):
             await node.send("never-connected", Ping())
 

@@ -265,16 +265,24 @@ class ControlNode:
         self._dealers[peer] = pump
         self._nursery.start_soon(self._reader, pump)
 
-    async def send(self, peer: str, msg: Message) -> None:
+    async def send(self, peer: str, msg: Message, *, timeout: float = K_DEFAULT_TIMEOUT) -> None:
         """Send a one-way event to ``peer``.
+
+        Returns once zmq has queued the frame; it waits only while the
+        peer's queue is at its high-water mark.
 
         Raises:
             PeerUnavailable: if we neither connected to ``peer`` nor hear from it.
+            TransferTimeout: if the peer's queue stayed full for ``timeout`` seconds.
             LocalProtocolError: if ``msg`` breaks its schema or the size limit.
 
         Cancellation: the frame was either handed to zmq whole or not at all.
         """
-        await self._send(peer, msg, FrameKind.EVENT, 0)
+        with trio.move_on_after(timeout) as scope:
+            await self._send(peer, msg, FrameKind.EVENT, 0)
+        if scope.cancelled_caught:
+            self._stats["timeouts"] += 1
+            raise TransferTimeout(f"{peer!r} did not drain its queue in {timeout:g}s", peer=peer)
 
     async def request(
         self, peer: str, msg: Message, *, timeout: float = K_DEFAULT_TIMEOUT
