@@ -260,6 +260,9 @@ class ControlNode:
             old.sock.close(0)
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        # Queue nothing for a peer that is not connected: sends wait (and time
+        # out) instead of piling up frames for a peer that may never come.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(address)
         pump = _Pump(sock, peer)
         self._dealers[peer] = pump
