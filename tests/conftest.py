@@ -1,0 +1,1 @@
+pytest_plugins = ["pddnet.emu._fixtures"]
