@@ -1,0 +1,48 @@
+"""The engine-facing API: three roles an inference engine embeds.
+
+* :class:`PrefillEndpoint` (P): after prefill, :meth:`~PrefillEndpoint.submit`
+  routes the request and ships its KV (every block to RLD, the DRC delta to MD).
+* :class:`RelayEndpoint` (RLD): decodes eager tokens while MD's KV is in
+  flight, then hands over by token ids.
+* :class:`MainEndpoint` (MD): receives the delta, recomputes RLD's tokens,
+  takes over decoding.
+
+Each is a trio async context manager; :class:`SyncEndpoint` runs any of them
+on its own thread for engines with synchronous schedulers (``submit``,
+``poll``, a wake-up fd). Engines supply the :class:`DecodeEngine` hooks;
+:class:`ReferenceEngine` implements them with pddnet's reference model. See
+docs/embedding.md.
+"""
+
+from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_id
+from ._engine import DecodeEngine, ReferenceEngine
+from ._info import EndpointInfo, Rendezvous
+from ._lease import Lease, LeaseTable
+from ._messages import Abort, Emitted, Generate, KvAccept, KvOffer, LeaseRenew, Served
+from ._prefill import BlocksReleased, PrefillEndpoint, PrefillStatistics, Submission
+from ._sync import SyncEndpoint
+
+__all__ = [
+    "Abort",
+    "BlocksReleased",
+    "DecodeEngine",
+    "DecodeStatistics",
+    "Emitted",
+    "EndpointInfo",
+    "Generate",
+    "KvAccept",
+    "KvOffer",
+    "Lease",
+    "LeaseRenew",
+    "LeaseTable",
+    "MainEndpoint",
+    "PrefillEndpoint",
+    "PrefillStatistics",
+    "ReferenceEngine",
+    "RelayEndpoint",
+    "Rendezvous",
+    "Served",
+    "Submission",
+    "SyncEndpoint",
+    "new_request_id",
+]

@@ -1,0 +1,563 @@
+"""The decode-side endpoints: :class:`RelayEndpoint` (RLD) and :class:`MainEndpoint` (MD).
+
+Both receive a request's prompt KV into blocks they grant, run the handoff
+machine's trio driver for it, and stream the user's tokens to the request's
+sink. They differ in what they receive and how they end:
+
+* RLD receives every prompt block over the local path, starts decoding as
+  soon as they land, and hands over to MD by token ids.
+* MD consults its decode-side radix cache (DRC): it pins the prefix it holds
+  and grants only the missing blocks, which cross the WAN. When they land it
+  recomputes RLD's eager tokens (extend) and takes over, or, on the P->MD
+  route, decodes from the first token itself. Finished prompts are cached.
+
+Per request, in order: ``KvOffer`` from P -> blocks allocated and granted ->
+``KvAccept`` to P -> the transfer lands (lease renewals go to P meanwhile) ->
+the driver runs -> the blocks are freed (or cached, on MD). Every failure
+ends the request with an ``Abort`` to the sink, so no request is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, TransferCancelled
+from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
+from ..control import ControlNode
+from ..handoff import (
+    AbortReason,
+    FinishReason,
+    HandoffAbort,
+    HandoffAck,
+    HandoffParams,
+    KvReady,
+    MainDriver,
+    RelayDriver,
+    TokenBatch,
+)
+from ..handoff._driver import HandoffDriver
+from ..kv import KVPool, block_ranges
+from ..transport import Receiver
+from ..transport.wan import WanReceiver
+from ..wire import Message, Pong, decode_tokens, encode_tokens
+from ._engine import DecodeEngine
+from ._info import EndpointInfo
+from ._messages import Abort, Emitted, KvAccept, KvOffer, LeaseRenew
+
+__all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
+
+log = logging.getLogger("pddnet.api")
+
+K_MAX_PROMPT = 1 << 20
+_HANDOFF_MESSAGES = (TokenBatch, HandoffAck, KvReady, HandoffAbort)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStatistics:
+    """A snapshot of a decode endpoint's counters."""
+
+    offers: int
+    rejected: int
+    active: int
+    finished: int
+    failed: int
+    tokens_emitted: int
+    blocks_received: int
+    blocks_cached_hit: int
+    free_blocks: int
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: np.ndarray
+    first_token: int
+    max_tokens: int
+    p: str  # the prefill peer
+    relay: str
+    main: str
+    sink: str
+    table: list[int]
+    owned: list[int]  # blocks this request allocated (the rest are cache hits)
+    transfer_id: int = 0
+    plan_id: int | None = None
+    driver: HandoffDriver | None = None
+    landed: trio.Event = field(default_factory=trio.Event)
+    early: list[Message] = field(default_factory=list)  # handoff messages before the driver
+    next_pos: int = 0
+    finish_pos: int = -1
+    emitted: int = 0
+    done: bool = False
+
+
+class _DecodeEndpoint:
+    role = ""
+
+    def __init__(
+        self,
+        name: str,
+        pool: KVPool,
+        engine: DecodeEngine,
+        *,
+        secret: bytes | str | None = None,
+        control_bind: str = "tcp://127.0.0.1:0",
+        data_host: str = "127.0.0.1",
+        engine_id: str = "",
+        rank: int = 0,
+        params: HandoffParams | None = None,
+        lease_s: float = 10.0,
+        receiver: Receiver | None = None,
+        step_time_s: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.engine = engine
+        self.params = params or HandoffParams()
+        self.lease_s = lease_s
+        self.step_time_s = step_time_s
+        self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
+        self.engine_id = engine_id or name
+        self.rank = rank
+        self.node = ControlNode(name, secret=secret, bind=control_bind)
+        self.receiver: Receiver = receiver or WanReceiver(host=data_host)
+        self._reqs: dict[int, _Request] = {}
+        self._nursery: trio.Nursery | None = None
+        self._stack: Any = None
+        self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Any:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.node)
+            await stack.enter_async_context(self.receiver)  # type: ignore[arg-type]
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._stack = stack.pop_all()
+        self.node.route(KvOffer, self._on_offer)
+        self.node.route(Abort, self._on_abort)
+        for cls in _HANDOFF_MESSAGES:
+            self.node.route(cls, self._on_handoff)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        return bool(await self._stack.__aexit__(*exc))
+
+    def info(self) -> EndpointInfo:
+        """This endpoint's handshake (publish its :meth:`EndpointInfo.blob`)."""
+        return EndpointInfo(
+            self.name,
+            self.role,
+            self.engine_id,
+            self.rank,
+            self.node.address,
+            getattr(self.receiver, "address", ""),
+            self.pool.layout,
+        )
+
+    async def connect_peer(self, info: EndpointInfo) -> None:
+        """Open the control connection to a peer endpoint (P, or the other decoder).
+
+        Raises:
+            LayoutMismatch: if the peer's KV layout cannot feed ours.
+        """
+        self.pool.layout.check_compatible(info.layout)
+        await self.node.connect(info.name, info.control)
+
+    def statistics(self) -> DecodeStatistics:
+        return DecodeStatistics(
+            **{**self._stats, "active": len(self._reqs), "free_blocks": self._free_blocks()}
+        )
+
+    def _free_blocks(self) -> int:
+        alloc = getattr(getattr(self.engine, "model", None), "allocator", None)
+        return int(getattr(alloc, "free_blocks", -1))
+
+    # --------------------------------------------------------------- offers
+    def _skip(self, req: _Request, prompt: np.ndarray) -> tuple[int, list[int]]:
+        """(cached leading blocks, their ids): none on RLD."""
+        return 0, []
+
+    def _allocate(self, n: int) -> list[int]:
+        return [int(b) for b in self.engine.allocate(n)]
+
+    async def _on_offer(self, peer: str, msg: KvOffer) -> Message:
+        self._stats["offers"] += 1
+        if msg.request_id in self._reqs:
+            raise RemoteProtocolError("duplicate request id", peer=peer, request_id=msg.request_id)
+        if not 0 < msg.max_tokens <= K_MAX_PROMPT:
+            raise RemoteProtocolError("bad max_tokens", peer=peer, request_id=msg.request_id)
+        prompt = decode_tokens(msg.prompt, K_MAX_PROMPT)
+        if prompt.size == 0:
+            raise RemoteProtocolError("empty prompt", peer=peer, request_id=msg.request_id)
+        bs = self.pool.layout.block_size
+        req = _Request(
+            msg.request_id,
+            prompt,
+            msg.first_token,
+            msg.max_tokens,
+            peer,
+            msg.relay,
+            msg.main,
+            msg.sink,
+            [],
+            [],
+        )
+        skip, hit_ids = self._skip(req, prompt)
+        total_blocks = -(-(prompt.size + msg.max_tokens) // bs)
+        prompt_blocks = -(-prompt.size // bs)
+        try:
+            owned = self._allocate(total_blocks - skip)
+        except PddnetError:
+            self._stats["rejected"] += 1
+            self._release_plan(req)
+            raise
+        req.owned = owned
+        req.table = hit_ids + owned
+        dst = owned[: prompt_blocks - skip]
+        ranges = block_ranges(self.pool.layout, self.pool.num_blocks, dst)
+        grant = self.receiver.grant(
+            self.pool.host_views(),
+            ranges,
+            num_layers=self.pool.layout.num_layers,
+            timeout=self.params.kv_timeout_s,
+        )
+        req.transfer_id = grant.transfer_id
+        self._stats["blocks_received"] += len(dst)
+        self._stats["blocks_cached_hit"] += skip
+        self._reqs[req.rid] = req
+        assert self._nursery is not None
+        self._nursery.start_soon(self._serve, req)
+        return KvAccept(
+            req.rid,
+            grant.transfer_id,
+            grant.total,
+            list(grant.layer_ends),
+            grant.address,
+            skip,
+            self.lease_s,
+        )
+
+    # -------------------------------------------------------------- serving
+    async def _wait_kv(self, req: _Request) -> None:
+        """Wait for the prompt KV, renewing P's lease meanwhile."""
+        async with trio.open_nursery() as nursery:
+
+            async def renew() -> None:
+                while True:
+                    await trio.sleep(self.lease_s / 3)
+                    try:
+                        await self.node.send(req.p, LeaseRenew(req.rid), timeout=self.lease_s / 3)
+                    except PddnetError as exc:
+                        log.info("%s: lease renewal for %s failed: %s", self.name, req.rid, exc)
+
+            nursery.start_soon(renew)
+            try:
+                await self.receiver.wait_transfer(req.transfer_id)
+            finally:
+                nursery.cancel_scope.cancel()
+        self.engine.start(req.rid, req.prompt.tolist(), req.table, req.first_token)
+        req.landed.set()
+
+    async def _serve(self, req: _Request) -> None:
+        raise NotImplementedError
+
+    async def _finish(self, req: _Request, error: PddnetError | None) -> None:
+        if req.driver is not None:
+            machine: Any = req.driver.machine
+            self.handoff_stats.append(machine.statistics(trio.current_time()))
+        req.done = True
+        self._reqs.pop(req.rid, None)
+        self.engine.finish(req.rid)
+        # Blocks are cacheable only if the prompt's KV really landed in them.
+        self._free(req, req.landed.is_set())
+        if error is None:
+            self._stats["finished"] += 1
+        else:
+            self._stats["failed"] += 1
+            log.info("%s: request %s failed: %s", self.name, req.rid, error)
+
+    def _free(self, req: _Request, landed: bool) -> None:
+        if req.owned:
+            self.engine.free(req.owned)
+            req.owned = []
+
+    def _release_plan(self, req: _Request) -> None:
+        pass
+
+    async def _tell_sink_abort(self, req: _Request, reason: str) -> None:
+        try:
+            await self.node.send(req.sink, Abort(req.rid, reason), timeout=2.0)
+        except PddnetError as exc:
+            log.warning(
+                "%s: could not tell %s that %s failed: %s", self.name, req.sink, req.rid, exc
+            )
+
+    async def _on_abort(self, peer: str, msg: Abort) -> None:
+        req = self._reqs.get(msg.request_id)
+        if req is None:
+            return
+        if req.driver is not None:
+            req.driver.cancel()
+        else:
+            self.receiver.cancel(req.transfer_id)
+
+    def _on_handoff(self, peer: str, msg: Message) -> None:
+        rid = getattr(msg, "request_id", None)
+        req = self._reqs.get(rid) if isinstance(rid, int) else None
+        if req is None:
+            log.debug("%s: handoff message for unknown request %s", self.name, rid)
+        elif req.driver is None:
+            if len(req.early) < 64:  # e.g. MD's KvReady before RLD's own KV landed
+                req.early.append(msg)
+        else:
+            req.driver.deliver(msg)
+
+    def _start_driver(self, req: _Request, driver: HandoffDriver) -> HandoffDriver:
+        req.driver = driver
+        for msg in req.early:
+            driver.deliver(msg)
+        req.early.clear()
+        return driver
+
+    # ---------------------------------------------------- driver interfaces
+    # (the handoff driver's DecodeEngine and Link protocols, per request)
+    async def decode_step(self, request_id: int) -> tuple[int, FinishReason | None]:
+        req = self._reqs[request_id]
+        if self.step_time_s:
+            await trio.sleep(self.step_time_s)  # emulate a real model's step time
+        else:
+            await trio.lowlevel.checkpoint()
+        tok = self.engine.decode_step(request_id)
+        pos = req.next_pos
+        req.next_pos += 1
+        finish: FinishReason | None = None
+        if self.engine.eos_token_id is not None and tok == self.engine.eos_token_id:
+            finish = FinishReason.EOS
+        elif pos + 1 >= req.max_tokens:
+            finish = FinishReason.MAX_TOKENS
+        if finish is not None:
+            req.finish_pos = pos
+        return tok, finish
+
+    async def extend(self, request_id: int, start: int, tokens: Sequence[int]) -> None:
+        req = self._reqs[request_id]
+        await trio.lowlevel.checkpoint()
+        if req.next_pos != start:
+            raise LocalProtocolError(
+                f"extend at {start}, the request holds {req.next_pos} tokens", request_id=request_id
+            )
+        self.engine.extend(request_id, tokens)
+        req.next_pos = start + len(tokens)
+
+    async def emit(self, request_id: int, position: int, token: int) -> None:
+        req = self._reqs[request_id]
+        req.emitted += 1
+        self._stats["tokens_emitted"] += 1
+        await self.node.send(
+            req.sink, Emitted(request_id, position, token, self.name, position == req.finish_pos)
+        )
+
+    async def free_blocks(self, request_id: int) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            self._free(req, landed=False)
+
+    async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
+        raise NotImplementedError
+
+
+class _Link:
+    """The handoff driver's link for one request: messages go to ``peer``."""
+
+    def __init__(self, endpoint: _DecodeEndpoint, peer: str) -> None:
+        self.endpoint = endpoint
+        self.peer = peer
+
+    async def send(self, message: Message) -> None:
+        await self.endpoint.node.send(self.peer, message, timeout=2.0)
+
+    async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
+        await self.endpoint.cancel_transfer(request_id, reason)
+
+    async def free_blocks(self, request_id: int) -> None:
+        await self.endpoint.free_blocks(request_id)
+
+
+class RelayEndpoint(_DecodeEndpoint):
+    """RLD: decodes eager tokens as soon as the local KV lands, then hands over.
+
+    Args:
+        name: node name.
+        pool: the engine's KV pool (blocks are granted from it).
+        engine: the decode hooks.
+        secret: control-plane secret (or ``$PDDNET_SECRET``).
+        control_bind: where the control ROUTER binds.
+        data_host: address the data-plane receiver listens on.
+        params: handoff tuning.
+        lease_s: lease renewal period is a third of this.
+        step_time_s: sleep this long before each decode step, to emulate a
+            real model's speed with a small one (demo, benchmarks); 0 in production.
+        receiver: the local-path receiver (default: TCP; UCX via
+            :func:`pddnet.transport.local` where available).
+    """
+
+    role = "relay"
+
+    async def _serve(self, req: _Request) -> None:
+        try:
+            await self._wait_kv(req)
+        except PddnetError as exc:
+            if req.main:
+                await self._notify(req.main, Abort(req.rid, f"relay lost the KV: {exc}"))
+            await self._tell_sink_abort(req, f"relay KV transfer failed: {exc}")
+            await self._finish(req, exc)
+            return
+        driver = self._start_driver(
+            req, RelayDriver(self, _Link(self, req.main), req.rid, self.params)
+        )
+        result = await driver.run()
+        await self._finish(req, result.error)
+        if result.error is not None:
+            await self._tell_sink_abort(req, str(result.error))
+
+    async def _notify(self, peer: str, msg: Message) -> None:
+        try:
+            await self.node.send(peer, msg, timeout=2.0)
+        except PddnetError as exc:
+            log.info("%s: %s unreachable: %s", self.name, peer, exc)
+
+    async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
+        # The WAN transfer runs P -> MD; P cancels it at the source.
+        req = self._reqs.get(request_id)
+        if req is not None:
+            await self._notify(req.p, Abort(request_id, f"cancel-wan:{reason.name}"))
+
+
+class MainEndpoint(_DecodeEndpoint):
+    """MD: receives only the blocks its radix cache lacks, recomputes, takes over.
+
+    Takes the arguments of :class:`RelayEndpoint`, plus:
+
+    Args:
+        cache: MD's decode-side radix cache over ``pool`` (one is made if None).
+        cache_lease_s: how long a pinned prefix waits for its transfer.
+    """
+
+    role = "main"
+
+    def __init__(
+        self, *args: Any, cache: RadixCache | None = None, cache_lease_s: float = 60.0, **kw: Any
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.cache = cache or RadixCache(self.pool.layout.block_size)
+        self.drc = CacheServer(self.cache, lease_s=cache_lease_s)
+        self._subscribers: set[str] = set()
+
+    async def __aenter__(self) -> MainEndpoint:
+        await super().__aenter__()
+        self.node.route(DrcSnapshotRequest, self._on_snapshot_request)
+        return self
+
+    async def _on_snapshot_request(self, peer: str, msg: DrcSnapshotRequest) -> Message:
+        """P subscribes to cache events; the snapshot goes as events, in order."""
+        self._subscribers.add(peer)
+        for part in self.drc.snapshot():
+            await self.node.send(peer, part)
+        await self._publish()
+        return Pong()
+
+    async def _publish(self) -> None:
+        for ev in self.drc.events():
+            for peer in list(self._subscribers):
+                try:
+                    await self.node.send(peer, ev, timeout=2.0)
+                except PddnetError:
+                    self._subscribers.discard(peer)
+
+    def _skip(self, req: _Request, prompt: np.ndarray) -> tuple[int, list[int]]:
+        plan_req = DrcPlanRequest(
+            request_id=str(req.rid),
+            tokens=encode_tokens(prompt),
+            num_tokens=int(prompt.size),
+            block_size=self.cache.block_size,
+            predicted_blocks=0,
+        )
+        reply = self.drc.handle_plan(plan_req, trio.current_time())
+        req.plan_id = reply.plan_id
+        plan = self.drc.plan(reply.plan_id)
+        return plan.hit_blocks, [int(b) for b in plan.hit_block_ids]
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - self._free_blocks()
+        if short > 0:  # make room from the cache's unpinned, least recently used blocks
+            self.engine.free(self.cache.evict(short))
+        return super()._allocate(n)
+
+    def _release_plan(self, req: _Request) -> None:
+        if req.plan_id is not None:
+            self.drc.abort(req.plan_id)
+            req.plan_id = None
+
+    def _free(self, req: _Request, landed: bool) -> None:
+        if landed and req.plan_id is not None and req.owned:
+            # cache the prompt's full blocks; free the rest
+            hit = self.drc.plan(req.plan_id).hit_blocks
+            full = req.prompt.size // self.cache.block_size
+            result = self.drc.complete(req.plan_id, req.owned[: full - hit])
+            req.plan_id = None
+            keep = set(req.owned[: full - hit]) - {int(b) for b in result.unused_block_ids}
+            self.engine.free([b for b in req.owned if b not in keep])
+            req.owned = []
+            return
+        self._release_plan(req)
+        super()._free(req, landed)
+
+    async def _finish(self, req: _Request, error: PddnetError | None) -> None:
+        await super()._finish(req, error)
+        await self._publish()
+
+    async def _serve(self, req: _Request) -> None:
+        driver = self._start_driver(
+            req,
+            MainDriver(self, _Link(self, req.relay), req.rid, self.params, relayed=bool(req.relay)),
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def land() -> None:
+                try:
+                    await self._wait_kv(req)
+                except TransferCancelled:
+                    return  # we cancelled it (strange traffic) or P did; the driver knows
+                except PddnetError as exc:
+                    log.info("%s: KV for %s failed: %s", self.name, req.rid, exc)
+                    driver.cancel()
+                    return
+                assert isinstance(driver, MainDriver)
+                driver.kv_landed()
+
+            nursery.start_soon(land)
+            result = await driver.run()
+            nursery.cancel_scope.cancel()
+        await self._finish(req, result.error)
+        if result.error is not None and not req.relay:
+            await self._tell_sink_abort(req, str(result.error))
+
+    async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            self.receiver.cancel(req.transfer_id)
+
+
+def new_request_id() -> int:
+    """A random 63-bit request id."""
+    return secrets.randbits(63) or 1

@@ -1,0 +1,143 @@
+"""The handshake blob and the rendezvous by engine id and rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .._errors import LocalProtocolError, RemoteProtocolError
+from ..control import ControlNode
+from ..kv import KVLayout
+from ._messages import Lookup, LookupReply, Register
+
+__all__ = ["EndpointInfo", "Rendezvous"]
+
+K_INFO_VERSION = 1
+K_MAX_BLOB = 4096
+_ROLES = ("prefill", "relay", "main")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointInfo:
+    """Everything a peer needs to reach an endpoint; serialisable as :meth:`blob`.
+
+    Args:
+        name: the endpoint's control-plane node name (unique in the deployment).
+        role: ``prefill``, ``relay`` or ``main``.
+        engine_id: the engine instance, for rendezvous.
+        rank: the worker's rank within the engine.
+        control: the control-plane address (``tcp://host:port``).
+        data: the data-plane address (``host:port``), "" for a pure sender.
+        layout: the KV layout of the endpoint's pool.
+    """
+
+    name: str
+    role: str
+    engine_id: str
+    rank: int
+    control: str
+    data: str
+    layout: KVLayout
+
+    def blob(self) -> bytes:
+        """The handshake blob: versioned msgpack, safe to pass around as bytes."""
+        return bytes(
+            msgpack.packb(
+                [
+                    K_INFO_VERSION,
+                    self.name,
+                    self.role,
+                    self.engine_id,
+                    self.rank,
+                    self.control,
+                    self.data,
+                    self.layout.to_dict(),
+                ]
+            )
+        )
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> EndpointInfo:
+        """Parse a handshake blob.
+
+        Raises:
+            RemoteProtocolError: if it is malformed, oversized or of another version.
+        """
+        if len(blob) > K_MAX_BLOB:
+            raise RemoteProtocolError(f"handshake blob of {len(blob)} bytes is too large")
+        try:
+            obj: Any = msgpack.unpackb(
+                blob,
+                strict_map_key=True,
+                max_array_len=16,
+                max_map_len=16,
+                max_str_len=512,
+                max_bin_len=0,
+            )
+            version, name, role, engine_id, rank, control, data, layout = obj
+        except Exception as exc:
+            raise RemoteProtocolError(f"malformed handshake blob: {exc}") from exc
+        if version != K_INFO_VERSION:
+            raise RemoteProtocolError(f"handshake blob version {version!r} is not supported")
+        if role not in _ROLES or not all(
+            isinstance(x, str) for x in (name, engine_id, control, data)
+        ):
+            raise RemoteProtocolError("handshake blob has a bad role or field type")
+        if type(rank) is not int or not isinstance(layout, dict):
+            raise RemoteProtocolError("handshake blob has a bad rank or layout")
+        try:
+            kv = KVLayout.from_dict(layout)
+        except Exception as exc:
+            raise RemoteProtocolError(f"handshake blob has a bad layout: {exc}") from exc
+        return cls(name, role, engine_id, rank, control, data, kv)
+
+
+class Rendezvous:
+    """A directory of handshake blobs keyed by (engine id, rank), served by a node.
+
+    Any :class:`ControlNode` can host it (``Rendezvous.serve(node)``); others
+    :meth:`register` and :meth:`lookup` through their own node.
+    """
+
+    def __init__(self) -> None:
+        self._blobs: dict[tuple[str, int], bytes] = {}
+
+    @classmethod
+    def serve(cls, node: ControlNode) -> Rendezvous:
+        directory = cls()
+
+        def on_register(peer: str, msg: Register) -> None:
+            EndpointInfo.from_blob(msg.blob)  # reject garbage early
+            directory._blobs[(msg.engine_id, msg.rank)] = msg.blob
+
+        def on_lookup(peer: str, msg: Lookup) -> LookupReply:
+            blob = directory._blobs.get((msg.engine_id, msg.rank))
+            if blob is None:
+                raise LocalProtocolError(f"nothing registered for {msg.engine_id}/{msg.rank}")
+            return LookupReply(blob)
+
+        node.route(Register, on_register)
+        node.route(Lookup, on_lookup)
+        return directory
+
+    @staticmethod
+    async def register(
+        node: ControlNode, at: str, info: EndpointInfo, *, timeout: float = 5.0
+    ) -> None:
+        """Publish ``info`` on the rendezvous node ``at`` (already connected)."""
+        await node.request(at, Register(info.engine_id, info.rank, info.blob()), timeout=timeout)
+
+    @staticmethod
+    async def lookup(
+        node: ControlNode, at: str, engine_id: str, rank: int, *, timeout: float = 5.0
+    ) -> EndpointInfo:
+        """Find the endpoint registered as (``engine_id``, ``rank``) on ``at``.
+
+        Raises:
+            RemoteCallError: if nothing is registered under that key.
+        """
+        reply = await node.request(at, Lookup(engine_id, rank), timeout=timeout)
+        assert isinstance(reply, LookupReply)
+        return EndpointInfo.from_blob(reply.blob)

@@ -1,0 +1,127 @@
+"""Control messages of the engine-facing API (type ids 64-79)."""
+
+from __future__ import annotations
+
+from ..wire import Message, message
+
+__all__ = [
+    "Abort",
+    "Emitted",
+    "Generate",
+    "KvAccept",
+    "KvOffer",
+    "LeaseRenew",
+    "Lookup",
+    "LookupReply",
+    "Register",
+    "Served",
+]
+
+
+@message(64)
+class KvOffer(Message):
+    """P to a decode node: take this request's prompt KV.
+
+    ``prompt`` is the prompt's token ids (varints); ``first_token`` is the
+    token P's prefill produced (position 0 of the user's stream). ``relay``
+    and ``main`` name the request's RLD and MD ("" when the route has none),
+    and ``sink`` the node that receives the user's token stream.
+    """
+
+    request_id: int
+    prompt: bytes
+    first_token: int
+    max_tokens: int
+    relay: str
+    main: str
+    sink: str
+
+
+@message(65)
+class KvAccept(Message):
+    """A decode node's answer to :class:`KvOffer`: where to send which blocks.
+
+    The receiver already holds the first ``skip_blocks`` blocks of the prompt
+    (its radix cache); P sends blocks ``skip_blocks..`` into the grant.
+    """
+
+    request_id: int
+    transfer_id: int
+    total: int
+    layer_ends: list[int]
+    address: str
+    skip_blocks: int
+    lease_s: float
+
+
+@message(66)
+class Emitted(Message):
+    """A decode node to the sink: the user's token at ``position``."""
+
+    request_id: int
+    position: int
+    token: int
+    source: str
+    finished: bool
+
+
+@message(67)
+class LeaseRenew(Message):
+    """A receiver to P: keep the request's source blocks; the transfer is alive."""
+
+    request_id: int
+
+
+@message(68)
+class Abort(Message):
+    """Any node: stop working on the request; ``reason`` is for humans."""
+
+    request_id: int
+    reason: str
+
+
+@message(69)
+class Generate(Message):
+    """A front end to P: prefill and serve this prompt.
+
+    ``route`` is ``"auto"`` (the router decides), ``"main"`` (P->MD) or
+    ``"relay"`` (P->RLD->MD).
+    """
+
+    request_id: int
+    prompt: bytes
+    max_tokens: int
+    route: str
+
+
+@message(70)
+class Served(Message):
+    """P's answer to :class:`Generate`: the route it chose and why."""
+
+    request_id: int
+    route: str
+    reason: str
+    hit_blocks: int
+    sent_blocks: int
+
+
+@message(71)
+class Register(Message):
+    """Rendezvous: publish an endpoint's handshake blob under (engine id, rank)."""
+
+    engine_id: str
+    rank: int
+    blob: bytes
+
+
+@message(72)
+class Lookup(Message):
+    """Rendezvous: ask for the blob registered under (engine id, rank)."""
+
+    engine_id: str
+    rank: int
+
+
+@message(73)
+class LookupReply(Message):
+    blob: bytes

@@ -1,0 +1,441 @@
+"""The prefill-side endpoint: :class:`PrefillEndpoint` (P).
+
+After the engine prefilled a prompt into its KV blocks, one call,
+:meth:`PrefillEndpoint.submit`, routes the request and ships its KV: every
+block to RLD over the local path and, concurrently, only the blocks MD lacks
+over the WAN. The source blocks stay leased until every transfer of the
+request finished, or until the receivers stop renewing the lease; then the
+engine is told it may reuse them (:class:`BlocksReleased`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
+from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot, DrcSnapshotRequest
+from ..control import ControlNode
+from ..kv import KVPool, block_ranges
+from ..route import Route, RouteDecision, RoutePolicy, Router, RouteRequest
+from ..transport import Grant, Sender, Transfer
+from ..transport.wan import WanSender
+from ..wire import encode_tokens
+from ._info import EndpointInfo
+from ._lease import LeaseTable
+from ._messages import Abort, KvAccept, KvOffer, LeaseRenew
+
+__all__ = ["BlocksReleased", "PrefillEndpoint", "PrefillStatistics", "Submission"]
+
+log = logging.getLogger("pddnet.api")
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReleased:
+    """P's engine may reuse these source blocks.
+
+    ``error`` is None when every transfer finished; otherwise why the lease
+    ended early (a failed transfer, an expired lease, an abort).
+    """
+
+    request_id: int
+    block_ids: tuple[int, ...]
+    error: PddnetError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """What :meth:`PrefillEndpoint.submit` did with a request."""
+
+    request_id: int
+    decision: RouteDecision
+    hit_blocks: int  # prompt blocks MD already held
+    sent_blocks_wan: int
+    sent_blocks_local: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStatistics:
+    requests: int
+    routed_relay: int
+    routed_main: int
+    wan_bytes: int
+    wan_bytes_saved: int
+    local_bytes: int
+    transfers_failed: int
+    leases_expired: int
+    held_blocks: int
+
+
+@dataclass
+class _Out:
+    dest: str
+    transfer: Transfer
+    nbytes: int
+    started: float
+
+
+@dataclass
+class _Req:
+    rid: int
+    outs: dict[str, _Out] = field(default_factory=dict)
+
+
+class PrefillEndpoint:
+    """P's side of pddnet.
+
+    Args:
+        name: node name.
+        pool: the engine's KV pool (the transfers read from it; never copied).
+        secret: control-plane secret (or ``$PDDNET_SECRET``).
+        control_bind: where the control ROUTER binds.
+        engine_id, rank: this worker's identity for rendezvous.
+        router: routing policy and RLD admission control (a default one if None).
+        lease_s: how long source blocks stay held without a renewal.
+        wan_options: keyword arguments for each :class:`WanSender` to MD.
+        local_options: keyword arguments for each local-path sender to RLD.
+        timeout: deadline of each transfer, seconds.
+    """
+
+    role = "prefill"
+
+    def __init__(
+        self,
+        name: str,
+        pool: KVPool,
+        *,
+        secret: bytes | str | None = None,
+        control_bind: str = "tcp://127.0.0.1:0",
+        engine_id: str = "",
+        rank: int = 0,
+        router: Router | None = None,
+        lease_s: float = 10.0,
+        wan_options: dict[str, Any] | None = None,
+        local_options: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.engine_id = engine_id or name
+        self.rank = rank
+        self.router = router or Router(RoutePolicy())
+        self.timeout = timeout
+        self.node = ControlNode(name, secret=secret, bind=control_bind)
+        self.leases = LeaseTable(lease_s)
+        self.mirror = CacheMirror(
+            pool.layout.block_size, bytes_per_token=pool.layout.kv_bytes_per_token
+        )
+        self._wan_options = wan_options or {}
+        self._local_options = local_options or {"streams": 2}
+        self._senders: dict[str, Sender] = {}
+        self._sender_scopes: dict[str, trio.CancelScope] = {}
+        self._roles: dict[str, str] = {}
+        self._reqs: dict[int, _Req] = {}
+        self._events_in, self._events = trio.open_memory_channel[BlocksReleased](1 << 16)
+        self._lease_changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._stack: Any = None
+        self._stats = dict.fromkeys(PrefillStatistics.__dataclass_fields__, 0)
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> PrefillEndpoint:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.node)
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._stack = stack.pop_all()
+        self.node.route(LeaseRenew, self._on_renew)
+        self.node.route(Abort, self._on_abort)
+        for cls in (DrcInserted, DrcEvicted, DrcSnapshot):
+            self.node.route(cls, self._on_drc)
+        self._nursery.start_soon(self._expire_loop)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        return bool(await self._stack.__aexit__(*exc))
+
+    async def _run_sender(
+        self, sender: Any, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with scope:
+            async with sender:
+                task_status.started()
+                await trio.sleep_forever()
+
+    def info(self) -> EndpointInfo:
+        return EndpointInfo(
+            self.name,
+            self.role,
+            self.engine_id,
+            self.rank,
+            self.node.address,
+            "",
+            self.pool.layout,
+        )
+
+    async def connect_peer(self, info: EndpointInfo) -> None:
+        """Connect to a decode endpoint: control plane, data path, and (for MD)
+        a subscription to its radix-cache events.
+
+        Raises:
+            LayoutMismatch: if the peer's layout cannot take our blocks.
+            LocalProtocolError: if the peer is not a decode endpoint.
+        """
+        if info.role not in ("relay", "main"):
+            raise LocalProtocolError(f"{info.name} is a {info.role} endpoint, not a decoder")
+        self.pool.layout.check_compatible(info.layout)
+        await self.node.connect(info.name, info.control)
+        options = self._local_options if info.role == "relay" else self._wan_options
+        sender = WanSender(info.data, **options)
+        scope = trio.CancelScope()
+        assert self._nursery is not None
+        await self._nursery.start(self._run_sender, sender, scope)
+        old = self._sender_scopes.pop(info.name, None)
+        if old is not None:
+            old.cancel()
+        self._senders[info.name] = sender
+        self._sender_scopes[info.name] = scope
+        self._roles[info.name] = info.role
+        if info.role == "main":
+            await self.node.request(info.name, DrcSnapshotRequest(0), timeout=10.0)
+
+    def statistics(self) -> PrefillStatistics:
+        return PrefillStatistics(**{**self._stats, "held_blocks": self.leases.held_blocks()})
+
+    # ------------------------------------------------------------- requests
+    def _peer(self, role: str, name: str | None) -> str:
+        if name is not None:
+            if self._roles.get(name) != role:
+                raise LocalProtocolError(f"{name!r} is not a connected {role} endpoint")
+            return name
+        for peer, r in self._roles.items():
+            if r == role:
+                return peer
+        raise LocalProtocolError(f"no {role} endpoint connected")
+
+    async def submit(
+        self,
+        request_id: int,
+        prompt: Sequence[int],
+        block_ids: Sequence[int],
+        first_token: int,
+        max_tokens: int,
+        *,
+        sink: str,
+        route: Route | None = None,
+        relay: str | None = None,
+        main: str | None = None,
+        ready: bool = True,
+    ) -> Submission:
+        """Route a prefilled request and start shipping its KV.
+
+        Args:
+            request_id: unique id of the request.
+            prompt: its token ids.
+            block_ids: the pool blocks holding the prompt's KV, in order.
+            first_token: the token prefill produced (position 0 of the stream).
+            max_tokens: output limit, ``first_token`` included.
+            sink: node that receives the user's token stream.
+            route: force a route; None lets the router decide.
+            relay, main: pick peers by name (default: the first connected).
+            ready: False to stream layer by layer (:meth:`mark_layer_ready`).
+
+        Returns:
+            The route taken and the blocks sent each way. Completion shows up
+            as :class:`BlocksReleased` from :meth:`next_event`.
+
+        Raises:
+            LocalProtocolError: for a duplicate id or too few blocks.
+            RemoteCallError: if a decoder refused the request (no free blocks, ...).
+            TransferTimeout: if a decoder did not answer.
+
+        Cancellation: offers already accepted are aborted; no lease is left.
+        """
+        if request_id in self._reqs or request_id in self.leases:
+            raise LocalProtocolError("duplicate request id", request_id=request_id)
+        bs = self.pool.layout.block_size
+        prompt_arr = np.asarray(prompt, dtype=np.int64)
+        nblocks = -(-prompt_arr.size // bs)
+        if len(block_ids) < nblocks:
+            raise LocalProtocolError(
+                f"{len(block_ids)} blocks cannot hold a {prompt_arr.size}-token prompt",
+                request_id=request_id,
+            )
+        main_peer = self._peer("main", main)
+        plan, _ = self.mirror.plan(str(request_id), prompt_arr)
+        delta = (nblocks - plan.predicted_blocks) * self.pool.layout.block_bytes
+        now = trio.current_time()
+        if route is None:
+            decision = self.router.decide(RouteRequest(request_id, delta, max_tokens), now)
+        else:
+            decision = RouteDecision(request_id, route, _forced_reason(route), 0.0, 0, now)
+        relay_peer = self._peer("relay", relay) if decision.uses_rld else ""
+        if not decision.uses_wan:
+            raise LocalProtocolError("the P->RLD-only route is not served by this endpoint")
+        offer = KvOffer(
+            request_id,
+            encode_tokens(prompt_arr),
+            int(first_token),
+            int(max_tokens),
+            relay_peer,
+            main_peer,
+            sink,
+        )
+        dests = [main_peer] + ([relay_peer] if relay_peer else [])
+        self._reqs[request_id] = req = _Req(request_id)
+        self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
+        self._lease_changed.set()
+        accepts: dict[str, KvAccept] = {}
+        views = self.pool.host_views()
+
+        async def offer_and_send(dest: str) -> None:
+            # Each destination starts as soon as it accepted: RLD's local
+            # transfer never waits for MD's answer across the WAN.
+            reply = await self.node.request(dest, offer, timeout=10.0)
+            if not isinstance(reply, KvAccept) or reply.request_id != request_id:
+                raise RemoteProtocolError("bad answer to KvOffer", peer=dest, request_id=request_id)
+            if not 0 <= reply.skip_blocks <= nblocks:
+                raise RemoteProtocolError("bad skip_blocks", peer=dest, request_id=request_id)
+            accepts[dest] = reply
+            src = block_ranges(
+                self.pool.layout, self.pool.num_blocks, list(block_ids[reply.skip_blocks : nblocks])
+            )
+            grant = Grant(reply.transfer_id, reply.total, tuple(reply.layer_ends), reply.address)
+            transfer = self._senders[dest].start(
+                grant,
+                views,
+                src,
+                priority=1 if dest == relay_peer else 0,
+                timeout=self.timeout,
+                ready=ready,
+            )
+            req.outs[dest] = out = _Out(dest, transfer, src.total, time.monotonic())
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch, req, out)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for dest in dests:
+                    nursery.start_soon(offer_and_send, dest)
+        except BaseException:
+            for out in req.outs.values():
+                out.transfer.cancel()
+            for dest in accepts:
+                await self._send_abort(dest, request_id, "offer abandoned")
+            if decision.uses_rld:
+                self.router.release(request_id)
+            self.leases.release(request_id)
+            self._reqs.pop(request_id, None)
+            raise
+        skip = accepts[main_peer].skip_blocks
+        self._stats["requests"] += 1
+        self._stats["routed_relay" if relay_peer else "routed_main"] += 1
+        self._stats["wan_bytes"] += req.outs[main_peer].nbytes
+        self._stats["wan_bytes_saved"] += skip * self.pool.layout.block_bytes
+        if relay_peer:
+            self._stats["local_bytes"] += req.outs[relay_peer].nbytes
+        return Submission(request_id, decision, skip, nblocks - skip, nblocks if relay_peer else 0)
+
+    def mark_layer_ready(self, request_id: int, layer: int) -> None:
+        """Layer ``layer`` of the request's KV is final: send it (``ready=False``)."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise LocalProtocolError("unknown request", request_id=request_id)
+        for out in req.outs.values():
+            out.transfer.mark_layer_ready(layer)
+
+    async def abort(self, request_id: int, reason: str = "aborted by the engine") -> None:
+        """Cancel the request's transfers, tell its decoders, free its blocks."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return
+        for out in req.outs.values():
+            out.transfer.cancel()
+            await self._send_abort(out.dest, request_id, reason)
+
+    async def next_event(self) -> BlocksReleased:
+        """Wait for the next :class:`BlocksReleased`."""
+        return await self._events.receive()
+
+    def poll_events(self) -> list[BlocksReleased]:
+        """Every :class:`BlocksReleased` so far, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(self._events.receive_nowait())
+            except trio.WouldBlock:
+                return out
+
+    # ------------------------------------------------------------- internals
+    async def _watch(self, req: _Req, out: _Out) -> None:
+        error: PddnetError | None = None
+        try:
+            await out.transfer.wait()
+            if self._roles.get(out.dest) == "main" and out.nbytes:
+                elapsed = max(time.monotonic() - out.started, 1e-6)
+                self.router.update_link(bandwidth_bytes_s=out.nbytes / elapsed, weight=0.2)
+        except PddnetError as exc:
+            error = exc
+            self._stats["transfers_failed"] += 1
+            log.info("%s: transfer of %s to %s failed: %s", self.name, req.rid, out.dest, exc)
+        if self._roles.get(out.dest) == "relay":
+            self.router.release(req.rid)
+        blocks = self.leases.finish(req.rid, out.dest)
+        if blocks is not None:
+            self._reqs.pop(req.rid, None)
+            self._events_in.send_nowait(BlocksReleased(req.rid, blocks, error))
+
+    def _on_renew(self, peer: str, msg: LeaseRenew) -> None:
+        self.leases.renew(msg.request_id, trio.current_time())
+
+    async def _on_abort(self, peer: str, msg: Abort) -> None:
+        req = self._reqs.get(msg.request_id)
+        if req is None:
+            return
+        if msg.reason.startswith("cancel-wan"):
+            # strange traffic: RLD finished first; stop feeding MD only
+            for out in req.outs.values():
+                if self._roles.get(out.dest) == "main":
+                    out.transfer.cancel()
+            return
+        for out in req.outs.values():
+            out.transfer.cancel()
+
+    def _on_drc(self, peer: str, msg: Any) -> None:
+        self.mirror.apply(msg)
+
+    async def _send_abort(self, dest: str, request_id: int, reason: str) -> None:
+        try:
+            await self.node.send(dest, Abort(request_id, reason), timeout=2.0)
+        except PddnetError as exc:
+            log.info("%s: abort of %s to %s lost: %s", self.name, request_id, dest, exc)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            self._lease_changed = trio.Event()
+            with trio.move_on_at(self.leases.next_expiry()):
+                await self._lease_changed.wait()
+            for lease in self.leases.expire(trio.current_time()):
+                self._stats["leases_expired"] += 1
+                req = self._reqs.pop(lease.request_id, None)
+                if req is not None:
+                    for out in req.outs.values():
+                        out.transfer.cancel()
+                err = PddnetError(
+                    "lease expired: no renewal from the receivers", request_id=lease.request_id
+                )
+                self._events_in.send_nowait(BlocksReleased(lease.request_id, lease.blocks, err))
+
+
+def _forced_reason(route: Route) -> Any:
+    from ..route import RouteReason
+
+    return RouteReason.MASK_TRANSFER if route is Route.P_RLD_MD else RouteReason.FITS_TTFT
