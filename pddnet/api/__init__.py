@@ -18,7 +18,17 @@ from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_
 from ._engine import DecodeEngine, ReferenceEngine
 from ._info import EndpointInfo, Rendezvous
 from ._lease import Lease, LeaseTable
-from ._messages import Abort, Emitted, Generate, KvAccept, KvOffer, LeaseRenew, Served
+from ._messages import (
+    Abort,
+    Emitted,
+    Generate,
+    KvAccept,
+    KvOffer,
+    LeaseRenew,
+    Served,
+    StatsReply,
+    StatsRequest,
+)
 from ._prefill import BlocksReleased, PrefillEndpoint, PrefillStatistics, Submission
 from ._sync import SyncEndpoint
 
@@ -42,6 +52,8 @@ __all__ = [
     "RelayEndpoint",
     "Rendezvous",
     "Served",
+    "StatsReply",
+    "StatsRequest",
     "Submission",
     "SyncEndpoint",
     "new_request_id",

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import enum
 import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 import trio
 
@@ -51,7 +54,7 @@ from ..transport.wan import WanReceiver
 from ..wire import Message, Pong, decode_tokens, encode_tokens
 from ._engine import DecodeEngine
 from ._info import EndpointInfo
-from ._messages import Abort, Emitted, KvAccept, KvOffer, LeaseRenew
+from ._messages import Abort, Emitted, KvAccept, KvOffer, LeaseRenew, StatsReply, StatsRequest
 
 __all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
 
@@ -143,6 +146,7 @@ class _DecodeEndpoint:
             self._stack = stack.pop_all()
         self.node.route(KvOffer, self._on_offer)
         self.node.route(Abort, self._on_abort)
+        self.node.route(StatsRequest, self._on_stats)
         for cls in _HANDOFF_MESSAGES:
             self.node.route(cls, self._on_handoff)
         return self
@@ -177,6 +181,9 @@ class _DecodeEndpoint:
         return DecodeStatistics(
             **{**self._stats, "active": len(self._reqs), "free_blocks": self._free_blocks()}
         )
+
+    def _on_stats(self, peer: str, msg: StatsRequest) -> StatsReply:
+        return StatsReply(stats_payload(self.statistics(), list(self.handoff_stats)))
 
     def _free_blocks(self) -> int:
         alloc = getattr(getattr(self.engine, "model", None), "allocator", None)
@@ -250,6 +257,7 @@ class _DecodeEndpoint:
     # -------------------------------------------------------------- serving
     async def _wait_kv(self, req: _Request) -> None:
         """Wait for the prompt KV, renewing P's lease meanwhile."""
+        error: PddnetError | None = None
         async with trio.open_nursery() as nursery:
 
             async def renew() -> None:
@@ -263,8 +271,12 @@ class _DecodeEndpoint:
             nursery.start_soon(renew)
             try:
                 await self.receiver.wait_transfer(req.transfer_id)
+            except PddnetError as exc:  # raised below, outside the nursery's group
+                error = exc
             finally:
                 nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
         self.engine.start(req.rid, req.prompt.tolist(), req.table, req.first_token)
         req.landed.set()
 
@@ -556,6 +568,23 @@ class MainEndpoint(_DecodeEndpoint):
         req = self._reqs.get(request_id)
         if req is not None:
             self.receiver.cancel(req.transfer_id)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.name
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    return obj
+
+
+def stats_payload(statistics: Any, requests: Sequence[Any] = ()) -> bytes:
+    """msgpack of ``{"statistics": ..., "requests": [...]}`` (enums by name)."""
+    return bytes(
+        msgpack.packb({"statistics": _plain(statistics), "requests": [_plain(r) for r in requests]})
+    )
 
 
 def new_request_id() -> int:

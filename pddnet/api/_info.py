@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import trio
 
-from .._errors import LocalProtocolError, RemoteProtocolError
+from .._errors import LocalProtocolError, RemoteProtocolError, TransferTimeout
 from ..control import ControlNode
 from ..kv import KVLayout
 from ._messages import Lookup, LookupReply, Register
@@ -121,6 +122,22 @@ class Rendezvous:
         node.route(Register, on_register)
         node.route(Lookup, on_lookup)
         return directory
+
+    def publish(self, info: EndpointInfo) -> None:
+        """Register ``info`` in this (locally served) directory."""
+        self._blobs[(info.engine_id, info.rank)] = info.blob()
+
+    async def wait_for(self, engine_id: str, rank: int, *, timeout: float = 30.0) -> EndpointInfo:
+        """Wait until (``engine_id``, ``rank``) registers here; return its info.
+
+        Raises:
+            TransferTimeout: if it did not register within ``timeout`` seconds.
+        """
+        with trio.move_on_after(timeout):
+            while (engine_id, rank) not in self._blobs:
+                await trio.sleep(0.05)
+            return EndpointInfo.from_blob(self._blobs[(engine_id, rank)])
+        raise TransferTimeout(f"{engine_id}/{rank} did not register within {timeout:g}s")
 
     @staticmethod
     async def register(

@@ -15,6 +15,8 @@ __all__ = [
     "LookupReply",
     "Register",
     "Served",
+    "StatsReply",
+    "StatsRequest",
 ]
 
 
@@ -125,3 +127,15 @@ class Lookup(Message):
 @message(73)
 class LookupReply(Message):
     blob: bytes
+
+
+@message(74)
+class StatsRequest(Message):
+    """Ask an endpoint for its counters and recent per-request handoff metrics."""
+
+
+@message(75)
+class StatsReply(Message):
+    """``payload`` is a msgpack map: ``{"statistics": {...}, "requests": [...]}``."""
+
+    payload: bytes

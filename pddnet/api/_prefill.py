@@ -28,13 +28,16 @@ from ..route import Route, RouteDecision, RoutePolicy, Router, RouteRequest
 from ..transport import Grant, Sender, Transfer
 from ..transport.wan import WanSender
 from ..wire import encode_tokens
+from ._decode import stats_payload
 from ._info import EndpointInfo
 from ._lease import LeaseTable
-from ._messages import Abort, KvAccept, KvOffer, LeaseRenew
+from ._messages import Abort, KvAccept, KvOffer, LeaseRenew, StatsReply, StatsRequest
 
 __all__ = ["BlocksReleased", "PrefillEndpoint", "PrefillStatistics", "Submission"]
 
 log = logging.getLogger("pddnet.api")
+
+K_BANDWIDTH_SAMPLE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,7 @@ class PrefillEndpoint:
             self._stack = stack.pop_all()
         self.node.route(LeaseRenew, self._on_renew)
         self.node.route(Abort, self._on_abort)
+        self.node.route(StatsRequest, self._on_stats)
         for cls in (DrcInserted, DrcEvicted, DrcSnapshot):
             self.node.route(cls, self._on_drc)
         self._nursery.start_soon(self._expire_loop)
@@ -296,7 +300,15 @@ class PrefillEndpoint:
         accepts: dict[str, KvAccept] = {}
         views = self.pool.host_views()
 
+        errors: list[PddnetError] = []
+
         async def offer_and_send(dest: str) -> None:
+            try:
+                await _offer_and_send(dest)
+            except PddnetError as exc:  # re-raised below, not as an exception group
+                errors.append(exc)
+
+        async def _offer_and_send(dest: str) -> None:
             # Each destination starts as soon as it accepted: RLD's local
             # transfer never waits for MD's answer across the WAN.
             reply = await self.node.request(dest, offer, timeout=10.0)
@@ -325,6 +337,8 @@ class PrefillEndpoint:
             async with trio.open_nursery() as nursery:
                 for dest in dests:
                     nursery.start_soon(offer_and_send, dest)
+            if errors:
+                raise errors[0]
         except BaseException:
             for out in req.outs.values():
                 out.transfer.cancel()
@@ -379,9 +393,12 @@ class PrefillEndpoint:
         error: PddnetError | None = None
         try:
             await out.transfer.wait()
-            if self._roles.get(out.dest) == "main" and out.nbytes:
-                elapsed = max(time.monotonic() - out.started, 1e-6)
-                self.router.update_link(bandwidth_bytes_s=out.nbytes / elapsed, weight=0.2)
+            if self._roles.get(out.dest) == "main" and out.nbytes >= K_BANDWIDTH_SAMPLE_BYTES:
+                # Small transfers measure the RTT, not the bandwidth: only
+                # large ones update the router's estimate.
+                elapsed = time.monotonic() - out.started - self.router.link.rtt_s
+                if elapsed > 0:
+                    self.router.update_link(bandwidth_bytes_s=out.nbytes / elapsed, weight=0.2)
         except PddnetError as exc:
             error = exc
             self._stats["transfers_failed"] += 1
@@ -392,6 +409,9 @@ class PrefillEndpoint:
         if blocks is not None:
             self._reqs.pop(req.rid, None)
             self._events_in.send_nowait(BlocksReleased(req.rid, blocks, error))
+
+    def _on_stats(self, peer: str, msg: StatsRequest) -> StatsReply:
+        return StatsReply(stats_payload(self.statistics(), self.router.decisions()))
 
     def _on_renew(self, peer: str, msg: LeaseRenew) -> None:
         self.leases.renew(msg.request_id, trio.current_time())

@@ -28,6 +28,7 @@ high-water marks push back on senders: nothing is dropped for lack of room.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import typing
@@ -73,6 +74,7 @@ Handler = Callable[[str, Any], Awaitable[Message | None] | Message | None]
 K_DEFAULT_TIMEOUT = 5.0
 K_INBOX_SIZE = 1024
 K_HWM = 10_000
+K_WRITE_RECHECK_S = 0.02
 # Plain ints: zmq's flag enums cost microseconds per operation on this hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -105,7 +107,15 @@ class _Pump:
         self.fd = typing.cast(int, sock.getsockopt(zmq.FD))
         self.guard = ReplayGuard()
         self.wait_scope: trio.CancelScope | None = None
+        self.reader_scope = trio.CancelScope()
         self.writers = trio.lowlevel.ParkingLot()
+
+    def close(self) -> None:
+        """Stop the reader, wake parked writers, close the socket."""
+        self.reader_scope.cancel()
+        trio.lowlevel.notify_closing(self.fd)
+        self.writers.unpark_all()
+        self.sock.close(0)
 
     def kick(self) -> None:
         """Wake the reader if input arrived behind the edge a send consumed."""
@@ -211,8 +221,7 @@ class ControlNode:
 
     def _close_sockets(self) -> None:
         for pump in [*self._dealers.values(), *([self._router] if self._router else [])]:
-            trio.lowlevel.notify_closing(pump.fd)
-            pump.sock.close(0)
+            pump.close()
         self._dealers.clear()
         self._router = None
         self._nursery = None
@@ -256,8 +265,7 @@ class ControlNode:
             raise LocalProtocolError("node is not running; use 'async with'", peer=peer)
         old = self._dealers.pop(peer, None)
         if old is not None:
-            trio.lowlevel.notify_closing(old.fd)
-            old.sock.close(0)
+            old.close()
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
         # Queue nothing for a peer that is not connected: sends wait (and time
@@ -373,7 +381,11 @@ class ControlNode:
                 pump.sock.send_multipart([*prefix, frame], flags=_NOBLOCK)
                 break
             except zmq.Again:
-                await pump.writers.park()
+                # The reader unparks us when EVENTS shows POLLOUT. zmq does not
+                # promise an FD edge for every POLLOUT change (a connection
+                # completing, say), so we also re-try every 20 ms while blocked.
+                with trio.move_on_after(K_WRITE_RECHECK_S):
+                    await pump.writers.park()
                 checkpoint = False
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
@@ -386,6 +398,11 @@ class ControlNode:
 
     # ------------------------------------------------------------- receiving
     async def _reader(self, pump: _Pump) -> None:
+        # ClosedResourceError: the socket was replaced or closed under us
+        with pump.reader_scope, contextlib.suppress(trio.ClosedResourceError):
+            await self._read_loop(pump)
+
+    async def _read_loop(self, pump: _Pump) -> None:
         sock = pump.sock
         while True:
             while True:

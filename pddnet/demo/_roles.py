@@ -1,0 +1,223 @@
+"""The demo's three processes: ``python -m pddnet.demo._roles ROLE CONFIG_JSON``.
+
+P hosts the rendezvous and plays the front end: it prefills each prompt with
+the reference model, submits it, and collects the user's token stream (every
+``Emitted`` from RLD and MD) with arrival times. RLD and MD register with P's
+rendezvous, look each other up, and serve. The shared secret comes from
+``$PDDNET_SECRET``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgpack
+import trio
+
+from .._errors import PddnetError
+from ..api import (
+    Abort,
+    BlocksReleased,
+    Emitted,
+    MainEndpoint,
+    PrefillEndpoint,
+    ReferenceEngine,
+    RelayEndpoint,
+    Rendezvous,
+    StatsReply,
+    StatsRequest,
+    new_request_id,
+)
+from ..handoff import HandoffParams
+from ..recompute import TINY, ReferenceModel, greedy
+from ..route import LinkEstimate, Route, RoutePolicy, Router
+from ._workload import DemoRequest, make_sessions
+
+T = TypeVar("T")
+
+
+async def _retry(make: Callable[[], Awaitable[T]], what: str, timeout: float = 30.0) -> T:
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                return await make()
+            except PddnetError:
+                await trio.sleep(0.1)
+
+
+async def decoder(role: str, cfg: dict[str, Any]) -> None:
+    model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
+    cls = RelayEndpoint if role == "relay" else MainEndpoint
+    other = "main" if role == "relay" else "relay"
+    params = HandoffParams(rtt_s=cfg["rtt_s"], recompute_rate=20000.0)
+    async with cls(
+        role,
+        model.pool,
+        ReferenceEngine(model),
+        engine_id=role,
+        control_bind=cfg["control"],
+        data_host=cfg["data_host"],
+        step_time_s=cfg["step_time_s"],
+        params=params,
+    ) as ep:
+        await ep.node.connect("p", cfg["rendezvous"])
+        await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()), "register")
+        for engine_id in ("p", other):
+            info = await _retry(lambda: Rendezvous.lookup(ep.node, "p", engine_id, 0), engine_id)  # noqa: B023
+            await ep.connect_peer(info)
+        print(f"{role}: ready at {ep.info().control}", flush=True)
+        await trio.sleep_forever()
+
+
+class _Frontend:
+    """The user's side: token arrivals per request, and completion."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, dict[str, Any]] = {}
+        self.done: dict[int, trio.Event] = {}
+        self.released: dict[int, trio.Event] = {}
+
+    def on_emit(self, peer: str, msg: Emitted) -> None:
+        rec = self.records.get(msg.request_id)
+        if rec is None:
+            return
+        rec["tokens"].append([time.monotonic() - rec["t0"], msg.position, msg.token, msg.source])
+        if msg.finished:
+            rec["outcome"] = "finished"
+            self.done[msg.request_id].set()
+
+    def on_abort(self, peer: str, msg: Abort) -> None:
+        rec = self.records.get(msg.request_id)
+        if rec is not None and rec["outcome"] is None:
+            rec["outcome"] = f"error: {msg.reason}"
+            self.done[msg.request_id].set()
+
+
+async def prefill(cfg: dict[str, Any]) -> None:
+    model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
+    policy = RoutePolicy(ttft_target_s=cfg["ttft_target_s"], rld_decode_rate=1 / cfg["step_time_s"])
+    router = Router(policy, LinkEstimate(cfg["rate_bps"] / 8, cfg["rtt_s"]))
+    front = _Frontend()
+    async with PrefillEndpoint(
+        "p",
+        model.pool,
+        engine_id="p",
+        control_bind=cfg["control"],
+        router=router,
+        wan_options={"streams": 4},
+    ) as p:
+        directory = Rendezvous.serve(p.node)
+        p.node.route(Emitted, front.on_emit)
+        p.node.route(Abort, front.on_abort)
+        directory.publish(p.info())
+        for engine_id in ("relay", "main"):
+            info = await directory.wait_for(engine_id, 0, timeout=60)
+            await p.connect_peer(info)
+        await trio.sleep(0.5)  # let the decoders finish connecting to each other
+        print("p: connected to relay and main", flush=True)
+
+        async with trio.open_nursery() as nursery:
+
+            async def releases() -> None:
+                while True:
+                    ev: BlocksReleased = await p.next_event()
+                    front.released.setdefault(ev.request_id, trio.Event()).set()
+
+            nursery.start_soon(releases)
+            results = []
+            for phase, seed, route in (
+                ("pdd", cfg["seed"], None),
+                ("baseline", cfg["seed"] + 1, Route.P_MD),
+            ):
+                sessions = make_sessions(
+                    seed,
+                    cfg["sessions"],
+                    cfg["turns"],
+                    vocab=TINY.vocab_size,
+                    max_tokens=cfg["max_tokens"],
+                )
+                t_phase = time.monotonic()
+                async with trio.open_nursery() as phase_nursery:
+                    for reqs in sessions:
+                        phase_nursery.start_soon(_session, p, model, front, phase, reqs, route, cfg)
+                print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
+            stats = {}
+            for peer in ("relay", "main"):
+                reply = await p.node.request(peer, StatsRequest(), timeout=10)
+                assert isinstance(reply, StatsReply)
+                stats[peer] = msgpack.unpackb(reply.payload)
+            stats["p"] = msgpack.unpackb(p._on_stats("p", StatsRequest()).payload)
+            results = list(front.records.values())
+            with open(cfg["out"], "w") as f:
+                json.dump({"requests": results, "stats": stats}, f)
+            nursery.cancel_scope.cancel()
+
+
+async def _session(
+    p: PrefillEndpoint,
+    model: ReferenceModel,
+    front: _Frontend,
+    phase: str,
+    reqs: list[DemoRequest],
+    route: Route | None,
+    cfg: dict[str, Any],
+) -> None:
+    seq = model.new_sequence()
+    done_len = 0
+    for req in reqs:
+        rid = new_request_id()
+        front.done[rid] = trio.Event()
+        front.released.setdefault(rid, trio.Event())
+        rec: dict[str, Any] = {
+            "request_id": rid,
+            "phase": phase,
+            "session": req.session,
+            "turn": req.turn,
+            "prompt": list(req.prompt),
+            "max_tokens": req.max_tokens,
+            "tokens": [],
+            "outcome": None,
+            "t0": time.monotonic(),
+        }
+        front.records[rid] = rec
+        # P's own prefix cache: only the new part of the prompt is prefilled
+        model.reserve(seq, len(req.prompt))
+        seq.length = done_len
+        first = greedy(model.extend(seq, list(req.prompt[done_len:])))
+        done_len = len(req.prompt)
+        rec["prefill_s"] = time.monotonic() - rec["t0"]
+        blocks = seq.block_table[: -(-len(req.prompt) // model.block_size)].tolist()
+        try:
+            sub = await p.submit(
+                rid, req.prompt, blocks, first, req.max_tokens, sink="p", route=route
+            )
+        except PddnetError as exc:
+            rec["outcome"] = f"error: {exc}"
+            continue
+        rec.update(
+            route=sub.decision.route.value,
+            reason=sub.decision.reason.name,
+            hit_blocks=sub.hit_blocks,
+            blocks=len(blocks),
+        )
+        with trio.move_on_after(cfg["request_timeout_s"]):
+            await front.done[rid].wait()
+            await front.released[rid].wait()  # the next turn rewrites the shared tail block
+        rec["elapsed_s"] = time.monotonic() - rec["t0"]
+        print(f"p: [{phase}] session {req.session} turn {req.turn}: {rec['outcome']}", flush=True)
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    if role == "prefill":
+        trio.run(prefill, cfg)
+    else:
+        trio.run(decoder, role, cfg)
+
+
+if __name__ == "__main__":
+    main()
