@@ -50,10 +50,12 @@ def test_blob_round_trip() -> None:
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=300))
 def test_fuzz_blob_decoder(data: bytes) -> None:
+    """Any bytes decode to a valid info or raise RemoteProtocolError; nothing else."""
     try:
-        EndpointInfo.from_blob(data)
+        info = EndpointInfo.from_blob(data)
     except RemoteProtocolError:
-        pass
+        return
+    assert EndpointInfo.from_blob(info.blob()) == info
 
 
 def test_blob_rejects_bad_role_and_oversize() -> None:
