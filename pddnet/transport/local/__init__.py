@@ -1,0 +1,34 @@
+"""The local path (P -> RLD inside a datacenter): UCX through ucxx.
+
+:class:`UcxReceiver` pre-posts tagged receives straight into the granted KV
+blocks; :class:`UcxSender` sends each coalesced range as one tagged message.
+Both are driven from trio through the worker's epoll fd (see
+:class:`UcxWorker` and docs/local.md).
+
+:func:`open_local_receiver` / :func:`open_local_sender` pick UCX when ucxx is
+importable and otherwise fall back to the TCP transport of
+:mod:`pddnet.transport.wan`, logging one warning.
+"""
+
+from ._fallback import local_available, open_local_receiver, open_local_sender
+from ._transport import (
+    UcxReceiver,
+    UcxReceiverStatistics,
+    UcxSender,
+    UcxSenderStatistics,
+    UcxTransfer,
+)
+from ._worker import K_DEFAULT_TLS, UcxWorker
+
+__all__ = [
+    "K_DEFAULT_TLS",
+    "UcxReceiver",
+    "UcxReceiverStatistics",
+    "UcxSender",
+    "UcxSenderStatistics",
+    "UcxTransfer",
+    "UcxWorker",
+    "local_available",
+    "open_local_receiver",
+    "open_local_sender",
+]

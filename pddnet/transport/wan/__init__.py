@@ -1,0 +1,50 @@
+"""The WAN path: multi-stream TCP with chunking, striping, hedging, pacing and priority.
+
+``WanReceiver`` grants destination memory and receives into it; ``WanSender``
+keeps N persistent TCP streams to one receiver and schedules every transfer
+to it over them. The scheduling, acceptance and pacing logic are sans-IO
+(``Scheduler``, ``GrantTable``, ``Pacer``). See docs/wan.md for the design.
+"""
+
+from ._acceptor import GrantTable
+from ._framing import LinkCode, LinkFrame, LinkKind
+from ._messages import WanCancel, WanGrant, WanGrantRequest
+from ._pacer import (
+    AdaptivePacer,
+    FixedPacer,
+    Pacer,
+    PacingDecision,
+    TcpSample,
+    available_pacers,
+    make_pacer,
+    register_pacer,
+)
+from ._receiver import ReceiverStatistics, WanReceiver
+from ._scheduler import Chunk, Scheduler
+from ._sender import SenderStatistics, StreamStatistics, WanSender, WanTransfer
+
+__all__ = [
+    "AdaptivePacer",
+    "Chunk",
+    "FixedPacer",
+    "GrantTable",
+    "LinkCode",
+    "LinkFrame",
+    "LinkKind",
+    "Pacer",
+    "PacingDecision",
+    "ReceiverStatistics",
+    "Scheduler",
+    "SenderStatistics",
+    "StreamStatistics",
+    "TcpSample",
+    "WanCancel",
+    "WanGrant",
+    "WanGrantRequest",
+    "WanReceiver",
+    "WanSender",
+    "WanTransfer",
+    "available_pacers",
+    "make_pacer",
+    "register_pacer",
+]

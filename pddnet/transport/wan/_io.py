@@ -1,0 +1,148 @@
+"""Socket helpers of the WAN transport: non-blocking stdlib sockets driven by trio.
+
+The hot loops use plain non-blocking sockets and wait with
+``trio.lowlevel.wait_readable`` / ``wait_writable`` only when the kernel says
+``EAGAIN``. A ``trio.socket`` call yields to the scheduler on *every* call,
+even when data is ready; on a 1 MiB chunk that is dozens of extra scheduler
+passes per chunk, which halved loopback goodput in measurement (docs/wan.md).
+Each helper still checkpoints once per call, as trio requires.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import trio
+import xxhash
+from crc32c import crc32c
+
+from ...wire import ChecksumAlgo
+
+__all__ = [
+    "Digest",
+    "EndOfStream",
+    "accept",
+    "close",
+    "connect",
+    "digest_of",
+    "recv_exact",
+    "send_all",
+]
+
+_IOV_MAX = 512  # well under Linux's 1024
+K_RCVLOWAT = 256 << 10  # most bytes to wait for before a readable wake-up
+
+
+class EndOfStream(Exception):
+    """The peer closed the connection."""
+
+
+async def recv_exact(sock: socket.socket, mv: memoryview) -> None:
+    """Fill ``mv`` from ``sock`` (``recv_into`` straight into it).
+
+    Raises:
+        EndOfStream: if the peer closes first.
+        OSError: on a socket error.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    got, n = 0, len(mv)
+    while got < n:
+        try:
+            k = sock.recv_into(mv[got:] if got else mv)
+        except BlockingIOError:
+            # Wake only when a useful amount is queued (never more than we need, so
+            # this cannot stall): on a WAN path data trickles in one packet at a
+            # time, and one event-loop pass per 9 KB packet costs more CPU than
+            # the copy itself.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, K_RCVLOWAT))
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        if not k:
+            raise EndOfStream
+        got += k
+
+
+async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Send every buffer in order with ``sendmsg`` (gather write, no joining copy)."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    i = 0
+    while i < len(bufs):
+        try:
+            n = sock.sendmsg(bufs[i : i + _IOV_MAX])
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        while n:
+            head = bufs[i]
+            if n >= len(head):
+                n -= len(head)
+                i += 1
+            else:
+                bufs[i] = head[n:]
+                n = 0
+
+
+async def connect(sock: socket.socket, addr: tuple[str, int]) -> None:
+    """Non-blocking connect of ``sock`` (already non-blocking) to ``addr``.
+
+    Raises:
+        OSError: if the connection fails.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    err = sock.connect_ex(addr)
+    if err in (errno.EINPROGRESS, errno.EAGAIN):
+        await trio.lowlevel.wait_writable(sock)
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, f"connect to {addr[0]}:{addr[1]}: {errno.errorcode.get(err, err)}")
+
+
+async def accept(lsock: socket.socket) -> socket.socket:
+    """Accept one connection on a non-blocking listening socket."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    while True:
+        try:
+            sock, _ = lsock.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(lsock)
+            continue
+        sock.setblocking(False)
+        return sock
+
+
+def close(sock: socket.socket) -> None:
+    """Close a socket other tasks may be waiting on (they get ClosedResourceError)."""
+    if sock.fileno() != -1:
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
+
+
+class Digest:
+    """Incremental payload checksum, equal to :func:`pddnet.wire.checksum` of the whole."""
+
+    __slots__ = ("_algo", "_crc", "_h")
+
+    def __init__(self, algo: ChecksumAlgo) -> None:
+        self._algo = algo
+        self._crc = 0
+        self._h = xxhash.xxh3_64() if algo == ChecksumAlgo.XXH3_64 else None
+
+    def update(self, data: memoryview) -> None:
+        if self._h is not None:
+            self._h.update(data)
+        elif self._algo == ChecksumAlgo.CRC32C:
+            self._crc = crc32c(data, self._crc)
+
+    def value(self) -> int:
+        if self._h is not None:
+            return int(self._h.intdigest())
+        return self._crc if self._algo == ChecksumAlgo.CRC32C else 0
+
+
+def digest_of(pieces: list[memoryview], algo: ChecksumAlgo) -> int:
+    """The checksum of the concatenation of ``pieces``."""
+    d = Digest(algo)
+    for p in pieces:
+        d.update(p)
+    return d.value()

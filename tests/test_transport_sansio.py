@@ -1,0 +1,345 @@
+"""Sans-IO cores of the WAN transport: intervals, grant table, scheduler, pacer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pddnet import LocalProtocolError, RemoteProtocolError, TransferCancelled, TransferTimeout
+from pddnet.kv import ByteRanges
+from pddnet.transport import IntervalSet
+from pddnet.transport.wan import (
+    AdaptivePacer,
+    GrantTable,
+    LinkFrame,
+    LinkKind,
+    Pacer,
+    PacingDecision,
+    Scheduler,
+    TcpSample,
+    available_pacers,
+    make_pacer,
+    register_pacer,
+)
+from pddnet.transport.wan._acceptor import Action, LayerVerified, TransferEnded, TransferVerified
+from pddnet.transport.wan._scheduler import TransferCompleted, TransferFailed
+from pddnet.wire import ChunkHeader
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 50)), max_size=40))
+def test_interval_set_matches_a_bitmap(ops: list[tuple[int, int]]) -> None:
+    s = IntervalSet()
+    bits = np.zeros(260, bool)
+    for lo, n in ops:
+        added = s.add(lo, lo + n)
+        assert added == int((~bits[lo : lo + n]).sum())
+        bits[lo : lo + n] = True
+        assert s.total == int(bits.sum())
+        q = (lo * 7) % 250
+        assert s.overlap(q, q + 9) == int(bits[q : q + 9].sum())
+        assert s.covers(q, q + 9) == bool(bits[q : q + 9].all())
+    starts = [a for a, _ in s]
+    assert starts == sorted(starts)
+
+
+def test_link_frame_roundtrip_and_rejects_corruption() -> None:
+    f = LinkFrame(LinkKind.ACK, 7, 4096, 512)
+    raw = bytearray(f.encode())
+    assert LinkFrame.decode(raw) == f
+    raw[9] ^= 1
+    with pytest.raises(RemoteProtocolError):
+        LinkFrame.decode(raw)
+
+
+def _table(total: int = 1000, layers: tuple[int, ...] = ()) -> tuple[GrantTable, int]:
+    t = GrantTable(max_chunk=400)
+    ranges = ByteRanges.build([0, 1], [10, 0], [600, total - 600], [0, 1])
+    assert t.add(5, ranges, layers) == []
+    return t, 5
+
+
+def _h(tid: int, lo: int, n: int) -> ChunkHeader:
+    return ChunkHeader(tid, lo, n, 0)
+
+
+def test_grant_table_accepts_verifies_and_completes_with_layers() -> None:
+    t, tid = _table(1000, (600, 1000))
+    d = t.begin(_h(tid, 500, 200), "c1")
+    assert d.action is Action.WRITE
+    assert d.pieces == ((0, 510, 100), (1, 0, 100))  # crosses the range boundary
+    assert t.finish(_h(tid, 500, 200), "c1", ok=True) == []
+    t.begin(_h(tid, 0, 400), "c1")
+    assert t.finish(_h(tid, 0, 400), "c1", ok=True) == []
+    t.begin(_h(tid, 400, 100), "c2")
+    assert t.finish(_h(tid, 400, 100), "c2", ok=True) == [LayerVerified(tid, 0)]
+    t.begin(_h(tid, 700, 300), "c2")
+    ev = t.finish(_h(tid, 700, 300), "c2", ok=True)
+    assert ev == [LayerVerified(tid, 1), TransferVerified(tid)]
+    # a straggling duplicate after completion is drained and acknowledged
+    assert t.begin(_h(tid, 0, 400), "c3").action is Action.DRAIN_ACK
+    t.add(6, ByteRanges.build([0], [0], [10], [0]))
+    t.cancel(6)
+    assert t.begin(_h(6, 0, 10), "c3").action is Action.DRAIN_ENDED
+
+
+@pytest.mark.parametrize(
+    ("lo", "n", "why"),
+    [(900, 200, "outside"), (0, 401, "over"), (1000, 1, "outside")],
+)
+def test_grant_table_rejects_out_of_grant(lo: int, n: int, why: str) -> None:
+    t, tid = _table()
+    with pytest.raises(RemoteProtocolError, match=why):
+        t.begin(_h(tid, lo, n), "c")
+    (ev,) = t.take_failures()
+    assert isinstance(ev, TransferEnded) and isinstance(ev.error, RemoteProtocolError)
+    assert tid not in t
+
+
+def test_grant_table_duplicates_and_overlaps() -> None:
+    t, tid = _table()
+    t.begin(_h(tid, 0, 100), "a")
+    assert t.begin(_h(tid, 0, 100), "b").action is Action.DRAIN_DUP  # twin in progress
+    with pytest.raises(RemoteProtocolError, match="in progress"):
+        t.begin(_h(tid, 50, 100), "b")
+    t2, tid2 = _table()
+    t2.begin(_h(tid2, 0, 100), "a")
+    t2.finish(_h(tid2, 0, 100), "a", ok=True)
+    assert t2.begin(_h(tid2, 0, 100), "b").action is Action.DRAIN_ACK
+    with pytest.raises(RemoteProtocolError, match="partially"):
+        t2.begin(_h(tid2, 50, 100), "b")
+    with pytest.raises(RemoteProtocolError, match="unknown"):
+        t2.begin(_h(99, 0, 1), "b")
+
+
+def test_grant_table_checksum_failure_does_not_count() -> None:
+    t, tid = _table()
+    t.begin(_h(tid, 0, 100), "a")
+    assert t.finish(_h(tid, 0, 100), "a", ok=False) == []
+    assert t.verified_bytes(tid) == 0
+    assert t.begin(_h(tid, 0, 100), "b").action is Action.WRITE  # may be re-sent
+    t.finish(_h(tid, 0, 100), "b", ok=False)
+    t.begin(_h(tid, 0, 100), "b")
+    (ev,) = t.finish(_h(tid, 0, 100), "b", ok=False)
+    assert isinstance(ev, TransferEnded)
+
+
+def test_grant_table_deadline_and_cancel() -> None:
+    t = GrantTable(100)
+    r = ByteRanges.build([0], [0], [10], [0])
+    t.add(1, r, deadline=5.0)
+    t.add(2, r)
+    assert t.get_timer() == 5.0
+    assert t.handle_timer(4.9) == []
+    (ev,) = t.handle_timer(5.0)
+    assert isinstance(ev, TransferEnded) and isinstance(ev.error, TransferTimeout)
+    (ev2,) = t.cancel(2)
+    assert isinstance(ev2.error, TransferCancelled)
+    assert t.cancel(2) == [] and t.get_timer() is None
+
+
+# -- scheduler -------------------------------------------------------------------
+
+
+def _drain(s: Scheduler, stream: int, now: float) -> list[tuple[int, int, int]]:
+    out = []
+    while (ch := s.next_chunk(stream, now)) is not None:
+        out.append((ch.transfer_id, ch.lo, ch.hi))
+    return out
+
+
+def test_scheduler_priority_then_shortest_remaining() -> None:
+    s = Scheduler(chunk_size=100, min_chunk=100)
+    s.add_transfer(1, 10_000)  # bulk
+    s.mark_ready(1, 0, 10_000)
+    assert s.next_chunk(0, 0.0).transfer_id == 1  # type: ignore[union-attr]
+    s.add_transfer(2, 300)
+    s.mark_ready(2, 0, 300)
+    s.add_transfer(3, 150, priority=1)
+    s.mark_ready(3, 0, 150)
+    order = [s.next_chunk(0, 0.0).transfer_id for _ in range(6)]  # type: ignore[union-attr]
+    assert order == [3, 3, 2, 2, 2, 1]
+    fifo = Scheduler(chunk_size=100, min_chunk=100, policy="fifo")
+    for tid, n in ((1, 1000), (2, 100)):
+        fifo.add_transfer(tid, n, priority=tid)
+        fifo.mark_ready(tid, 0, n)
+    assert [fifo.next_chunk(0, 0.0).transfer_id for _ in range(11)][-1] == 2  # type: ignore[union-attr]
+
+
+def test_scheduler_small_transfer_striped_over_streams() -> None:
+    s = Scheduler(chunk_size=1 << 20, min_chunk=64 << 10)
+    s.active_streams = 4
+    s.add_transfer(1, 256 << 10)
+    s.mark_ready(1, 0, 256 << 10)
+    sizes = [ch.length for i in range(4) if (ch := s.next_chunk(i, 0.0)) is not None]
+    assert sizes == [64 << 10] * 4
+
+
+def test_scheduler_stream_failure_requeues_same_boundaries() -> None:
+    s = Scheduler(chunk_size=100, max_copies=1)
+    s.active_streams = 2
+    s.add_transfer(1, 400)
+    s.mark_ready(1, 0, 400)
+    a = s.next_chunk(0, 0.0)
+    b = s.next_chunk(1, 0.0)
+    assert a and b
+    assert s.on_ack(1, 1, b.lo, b.hi, 0.1)
+    assert s.on_stream_failed(0) == 1
+    again = s.next_chunk(1, 0.2)
+    assert again is a and (again.lo, again.hi) == (0, 100) and s.bytes_resent == 100
+
+
+def test_scheduler_tail_hedging_first_ack_wins() -> None:
+    s = Scheduler(chunk_size=100, min_hedge_s=0.01, hedge_factor=2.0)
+    s.active_streams = 2
+    s.add_transfer(1, 100)
+    s.mark_ready(1, 0, 100)
+    ch = s.next_chunk(0, 0.0)
+    assert ch is not None
+    assert s.next_chunk(1, 0.001) is None  # too young to hedge
+    t = s.get_timer(1)
+    assert t is not None and 0.001 < t <= 0.1
+    assert s.get_timer(0) is None  # a stream never hedges its own chunk
+    h = s.next_chunk(1, t)
+    assert h is ch and ch.streams == {0, 1} and s.chunks_hedged == 1
+    assert s.on_ack(1, 1, 0, 100, t + 0.01)
+    assert TransferCompleted(1) in s.events()
+    assert not s.on_ack(0, 1, 0, 100, t + 0.02)  # the slower copy's ack is ignored
+
+
+def test_scheduler_dup_requeues_when_no_copy_left() -> None:
+    s = Scheduler(chunk_size=100, min_hedge_s=0.0)
+    s.active_streams = 2
+    s.add_transfer(1, 100)
+    s.mark_ready(1, 0, 100)
+    ch = s.next_chunk(0, 0.0)
+    assert s.next_chunk(1, 1.0) is ch
+    s.on_stream_failed(0)  # the first copy died...
+    s.on_dup(1, 1, 0, 100)  # ...and the receiver dropped the hedge as a twin
+    assert s.next_chunk(0, 1.1) is ch
+
+
+def test_scheduler_deadline_cancel_and_misuse() -> None:
+    s = Scheduler()
+    s.add_transfer(1, 10, deadline=2.0)
+    s.add_transfer(2, 10)
+    with pytest.raises(LocalProtocolError):
+        s.add_transfer(2, 10)
+    with pytest.raises(LocalProtocolError):
+        s.mark_ready(2, 5, 11)
+    assert s.get_timer() == 2.0
+    s.handle_timer(2.0)
+    assert s.cancel(2) and not s.cancel(2)
+    ev = s.events()
+    assert [type(e) for e in ev] == [TransferFailed, TransferFailed]
+    assert isinstance(ev[0].error, TransferTimeout)  # type: ignore[union-attr]
+    assert isinstance(ev[1].error, TransferCancelled)  # type: ignore[union-attr]
+    s.add_transfer(3, 0)
+    assert s.events() == [TransferCompleted(3)]
+
+
+def test_scheduler_layerwise_ready() -> None:
+    s = Scheduler(chunk_size=100, min_chunk=100)
+    s.add_transfer(1, 300)
+    assert s.next_chunk(0, 0.0) is None
+    s.mark_ready(1, 200, 300)
+    s.mark_ready(1, 150, 300)  # overlapping re-mark adds only new bytes
+    assert _drain(s, 0, 0.0) == [(1, 200, 300), (1, 150, 200)]
+
+
+# -- pacer -----------------------------------------------------------------------
+
+RATE = 125e6  # 1 Gbit/s in bytes/s
+
+
+def _trace(
+    p: Pacer, rtts: list[float], *, retrans_ratio: float = 0.0, rate: float = RATE, streams: int = 4
+) -> list[PacingDecision]:
+    out = []
+    sent = [0] * streams
+    retr = [0] * streams
+    for k, rtt in enumerate(rtts):
+        now = 0.2 * k
+        for i in range(streams):
+            sent[i] += int(rate / streams * 0.2)
+            retr[i] += int(rate / streams * 0.2 * retrans_ratio)
+            p.on_sample(TcpSample(i, rtt, 0.030, rate / streams, sent[i], retr[i]), now)
+        out.append(p.decide(now))
+    return out
+
+
+def _aggregate(d: PacingDecision) -> float:
+    return np.inf if d.rate_per_stream is None else d.rate_per_stream * d.active_streams
+
+
+def test_adaptive_pacer_leaves_a_clean_path_alone() -> None:
+    p = make_pacer("adaptive", max_streams=4)
+    ds = _trace(p, [0.030] * 20, retrans_ratio=0.001)  # random 0.1 % loss, flat RTT
+    assert all(d.rate_per_stream is None and d.active_streams == 4 for d in ds)
+
+
+def test_adaptive_pacer_backs_off_on_queueing_then_recovers() -> None:
+    p = AdaptivePacer(max_streams=4)
+    ds = _trace(p, [0.030] * 3 + [0.060] * 5)
+    assert p.target is not None and 0.5 * RATE <= p.target < RATE  # just below the path
+    assert ds[-1].rate_per_stream == pytest.approx(p.target / 4 * p.slack)
+    ds = _trace(p, [0.030] * 40)
+    assert p.target is None or p.target > RATE
+
+
+def test_adaptive_pacer_backs_off_on_loss_storm() -> None:
+    p = AdaptivePacer(max_streams=4)
+    _trace(p, [0.031] * 10, retrans_ratio=0.15)
+    assert p.target is not None and p.target <= 0.85 * RATE and p.trouble == "loss storm"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(0.030, 0.3), min_size=1, max_size=30),
+    st.floats(0.0, 0.3),
+    st.sampled_from(["adaptive", "fixed"]),
+)
+def test_pacers_never_exceed_the_operator_cap(rtts: list[float], loss: float, name: str) -> None:
+    cap = 50e6
+    p = make_pacer(name, max_streams=4, rate_cap=cap)
+    for d in _trace(p, rtts, retrans_ratio=loss):
+        assert _aggregate(d) <= cap * (1 + 1e-9)
+        assert 1 <= d.active_streams <= 4
+
+
+def test_pacer_registry() -> None:
+    class Half(Pacer):
+        def on_sample(self, sample: TcpSample, now: float) -> None:
+            pass
+
+        def decide(self, now: float) -> PacingDecision:
+            return PacingDecision(1.0, max(1, self.max_streams // 2))
+
+    register_pacer("half-test", Half)
+    assert "half-test" in available_pacers()
+    assert make_pacer("half-test", max_streams=8).decide(0.0).active_streams == 4
+    with pytest.raises(ValueError, match="unknown pacer"):
+        make_pacer("nope", max_streams=1)
+
+
+def test_scheduler_express_lane_carries_only_urgent_transfers() -> None:
+    s = Scheduler(chunk_size=100, min_chunk=100)
+    s.active_streams = 2
+    s.express = frozenset({2})
+    s.add_transfer(1, 1000)
+    s.mark_ready(1, 0, 1000)
+    assert s.next_chunk(2, 0.0) is None  # bulk never on the express lane
+    assert s.next_chunk(0, 0.0).transfer_id == 1  # type: ignore[union-attr]
+    s.add_transfer(2, 200, priority=1)
+    s.mark_ready(2, 0, 200)
+    assert [s.next_chunk(2, 0.0).transfer_id for _ in range(2)] == [2, 2]  # type: ignore[union-attr]
+    assert s.next_chunk(2, 0.0) is None
+    s.add_transfer(3, 100, priority=1)
+    s.mark_ready(3, 0, 100)
+    assert s.next_chunk(0, 0.0).transfer_id == 3  # type: ignore[union-attr]
+    fifo = Scheduler(policy="fifo")
+    fifo.active_streams, fifo.express = 1, frozenset({1})
+    fifo.add_transfer(1, 10, priority=1)
+    fifo.mark_ready(1, 0, 10)
+    assert fifo.next_chunk(1, 0.0) is None  # FIFO has no express lane
