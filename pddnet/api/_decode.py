@@ -50,6 +50,7 @@ from ..handoff import (
 from ..handoff._driver import HandoffDriver
 from ..kv import KVPool, block_ranges
 from ..transport import Receiver
+from ..transport.local import local_available, open_local_receiver
 from ..transport.wan import WanReceiver
 from ..wire import Message, Pong, decode_tokens, encode_tokens
 from ._engine import DecodeEngine
@@ -131,11 +132,14 @@ class _DecodeEndpoint:
         self.engine_id = engine_id or name
         self.rank = rank
         self.node = ControlNode(name, secret=secret, bind=control_bind)
-        self.receiver: Receiver = receiver or WanReceiver(host=data_host)
+        self.receiver: Receiver = receiver or self._default_receiver(data_host)
         self._reqs: dict[int, _Request] = {}
         self._nursery: trio.Nursery | None = None
         self._stack: Any = None
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
+
+    def _default_receiver(self, data_host: str) -> Receiver:
+        return WanReceiver(host=data_host)
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Any:
@@ -419,11 +423,18 @@ class RelayEndpoint(_DecodeEndpoint):
         lease_s: lease renewal period is a third of this.
         step_time_s: sleep this long before each decode step, to emulate a
             real model's speed with a small one (demo, benchmarks); 0 in production.
-        receiver: the local-path receiver (default: TCP; UCX via
-            :func:`pddnet.transport.local` where available).
+        receiver: the data-path receiver (default: RLD takes the local path,
+            UCX where ucxx is installed, else TCP; MD takes the WAN path).
     """
 
     role = "relay"
+
+    def _default_receiver(self, data_host: str) -> Receiver:
+        # the local path: UCX where ucxx is installed (RDMA/shared memory/tcp),
+        # else TCP with a one-time warning
+        if local_available():
+            return open_local_receiver()
+        return WanReceiver(host=data_host)
 
     async def _serve(self, req: _Request) -> None:
         try:

@@ -26,6 +26,7 @@ from ..control import ControlNode
 from ..kv import KVPool, block_ranges
 from ..route import Route, RouteDecision, RoutePolicy, Router, RouteRequest
 from ..transport import Grant, Sender, Transfer
+from ..transport.local import open_local_sender
 from ..transport.wan import WanSender
 from ..wire import encode_tokens
 from ._decode import stats_payload
@@ -136,7 +137,7 @@ class PrefillEndpoint:
             pool.layout.block_size, bytes_per_token=pool.layout.kv_bytes_per_token
         )
         self._wan_options = wan_options or {}
-        self._local_options = local_options or {"streams": 2}
+        self._local_options = local_options or {}
         self._senders: dict[str, Sender] = {}
         self._sender_scopes: dict[str, trio.CancelScope] = {}
         self._roles: dict[str, str] = {}
@@ -144,6 +145,7 @@ class PrefillEndpoint:
         self._events_in, self._events = trio.open_memory_channel[BlocksReleased](1 << 16)
         self._lease_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._sender_nursery: Any = None
         self._stack: Any = None
         self._stats = dict.fromkeys(PrefillStatistics.__dataclass_fields__, 0)
 
@@ -151,6 +153,10 @@ class PrefillEndpoint:
     async def __aenter__(self) -> PrefillEndpoint:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.node)
+            # Senders live in a nursery of their own, closed after the main
+            # one and without cancellation, so their shutdown runs to the end.
+            self._sender_nursery = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(self._stop_senders)
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._stack = stack.pop_all()
         self.node.route(LeaseRenew, self._on_renew)
@@ -166,12 +172,16 @@ class PrefillEndpoint:
         self._nursery.cancel_scope.cancel()
         return bool(await self._stack.__aexit__(*exc))
 
+    def _stop_senders(self) -> None:
+        for scope in self._sender_scopes.values():
+            scope.cancel()
+
     async def _run_sender(
         self, sender: Any, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with scope:
-            async with sender:
-                task_status.started()
+        async with sender:
+            task_status.started()
+            with scope:  # cancelling it closes the sender cleanly
                 await trio.sleep_forever()
 
     def info(self) -> EndpointInfo:
@@ -197,11 +207,12 @@ class PrefillEndpoint:
             raise LocalProtocolError(f"{info.name} is a {info.role} endpoint, not a decoder")
         self.pool.layout.check_compatible(info.layout)
         await self.node.connect(info.name, info.control)
-        options = self._local_options if info.role == "relay" else self._wan_options
-        sender = WanSender(info.data, **options)
+        if info.role == "relay":  # UCX for a ucx: address, else TCP
+            sender = open_local_sender(info.data, **self._local_options)
+        else:
+            sender = WanSender(info.data, **self._wan_options)
         scope = trio.CancelScope()
-        assert self._nursery is not None
-        await self._nursery.start(self._run_sender, sender, scope)
+        await self._sender_nursery.start(self._run_sender, sender, scope)
         old = self._sender_scopes.pop(info.name, None)
         if old is not None:
             old.cancel()

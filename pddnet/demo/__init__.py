@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", default="0")
     parser.add_argument("--step-ms", type=float, default=20.0, help="paced decode step")
     parser.add_argument("--loopback", action="store_true", help="skip the emulated WAN")
+    parser.add_argument(
+        "--local-path",
+        choices=("tcp", "ucx"),
+        default="tcp",
+        help="P->RLD transport (default %(default)s; UCX needs ucxx)",
+    )
 
 
 def _free_port() -> int:
@@ -77,6 +83,7 @@ def _config(args: argparse.Namespace, out: str) -> dict[str, Any]:
         "seed": 7,
         "request_timeout_s": 60.0,
         "out": out,
+        "local_path": args.local_path,
     }
 
 

@@ -35,6 +35,7 @@ from ..api import (
 from ..handoff import HandoffParams
 from ..recompute import TINY, ReferenceModel, greedy
 from ..route import LinkEstimate, Route, RoutePolicy, Router
+from ..transport.wan import WanReceiver
 from ._workload import DemoRequest, make_sessions
 
 T = TypeVar("T")
@@ -54,6 +55,11 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     cls = RelayEndpoint if role == "relay" else MainEndpoint
     other = "main" if role == "relay" else "relay"
     params = HandoffParams(rtt_s=cfg["rtt_s"], recompute_rate=20000.0)
+    # The relay's local path: UCX (ucxx) or TCP. UCX between the testbed's
+    # network namespaces did not connect here, so the demo defaults to TCP.
+    receiver = None
+    if role == "relay" and cfg.get("local_path", "tcp") == "tcp":
+        receiver = WanReceiver(host=cfg["data_host"])
     async with cls(
         role,
         model.pool,
@@ -63,6 +69,7 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
         data_host=cfg["data_host"],
         step_time_s=cfg["step_time_s"],
         params=params,
+        receiver=receiver,
     ) as ep:
         await ep.node.connect("p", cfg["rendezvous"])
         await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()), "register")

@@ -1,0 +1,437 @@
+"""Local path: pddnet over UCX vs raw ucxx, plain TCP, NIXL and Mooncake, two processes.
+
+Every implementation moves host memory between two processes on this
+machine: a sender process transfers ``S`` bytes into a receiver process's
+buffer and waits until the receiver confirms (for pddnet, the transport's own
+DONE; for the others, an 8-byte acknowledgement or the library's completion
+notification). The median over many repetitions is the latency, ``S /
+median`` the throughput. Sizes run from 4 KiB to 256 MiB (``--quick``: 4 KiB,
+1 MiB, 16 MiB).
+
+Rows, each in two transport settings where it applies (``sm``:
+``UCX_TLS=tcp,sm,self``, which takes shared memory; ``tcp``: ``UCX_TLS=tcp,self``):
+
+* ``pddnet``: :class:`~pddnet.transport.local.UcxSender` /
+  :class:`~pddnet.transport.local.UcxReceiver` driven from trio (grants made
+  ahead, one transfer at a time);
+* ``raw_ucxx``: ucxx's tag API in a tight busy-polling loop (no trio, no
+  protocol): the ceiling for anything built on ucxx;
+* ``raw_ucxx_epoll``: the same, but sleeping on the worker's epoll fd (2 ms
+  cap) instead of spinning: the cost of blocking wake-ups alone;
+* ``tcp``: blocking Python sockets, ``sendall`` / ``recv_into`` (one stream);
+* ``nixl``: NIXL (``nixl-cu12``, UCX backend) WRITE, initiator progress
+  thread off, from a separate environment (``--peer-venv``, made on demand);
+* ``mooncake``: the Mooncake Transfer Engine (``tcp`` protocol), same venv.
+
+A peer that cannot be installed or run gets its exact error in the JSON, and
+the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from ._common import add_common_arguments, print_table, write_report
+
+K_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
+K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self"}
+K_PEER_VENV = "/tmp/pdd-bench-venv"
+
+
+def _iters(size: int, quick: bool) -> int:
+    if size <= 64 << 10:
+        return 300 if quick else 1000
+    return max(5, int((1e9 if quick else 2e9) // size))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, png=False)
+    parser.add_argument("--peer-venv", default=K_PEER_VENV, help="venv holding NIXL / Mooncake")
+    parser.add_argument(
+        "--install-peers", action="store_true", help="create --peer-venv with pip if missing"
+    )
+    parser.add_argument("--only", nargs="*", help="implementations to run")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per peer")
+
+
+# ------------------------------------------------------------------ children
+_COMMON = """
+import json, os, sys, time
+import numpy as np
+SIZES = json.loads(sys.argv[2]); ITERS = json.loads(sys.argv[3])
+def out(obj):  # libraries print to stdout too: our lines carry a marker
+    sys.stdout.write("@@" + json.dumps(obj) + "\\n"); sys.stdout.flush()
+def inp():
+    return json.loads(sys.stdin.readline())
+def report(size, lat):
+    a = np.array(lat)
+    out({"size": size, "median_s": float(np.median(a)), "p99_s": float(np.percentile(a, 99)),
+         "n": len(lat)})
+def finish(code=0):
+    sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+"""
+
+_PDDNET = """
+import trio
+from pddnet.kv import ByteRanges
+from pddnet.transport import Grant
+from pddnet.transport.local import UcxReceiver, UcxSender
+role = sys.argv[1]
+async def server():
+    async with UcxReceiver() as rx:
+        out({"address": rx.address})
+        for size in SIZES:
+            buf = np.zeros(size, np.uint8)
+            r = ByteRanges.build([0], [0], [size], [0])
+            n = ITERS[str(size)] + 3
+            gs = [rx.grant([buf], r) for _ in range(n)]
+            out([[g.transfer_id, g.total, g.address] for g in gs])
+            for g in gs:
+                await rx.wait_transfer(g.transfer_id)
+        inp()
+async def client():
+    hello = inp()
+    async with UcxSender(hello["address"]) as tx:
+        for size in SIZES:
+            buf = np.ones(size, np.uint8)
+            r = ByteRanges.build([0], [0], [size], [0])
+            gs = [Grant(t, n, (), a) for t, n, a in inp()]
+            lat = []
+            for i, g in enumerate(gs):
+                t0 = time.perf_counter()
+                await tx.send(g, [buf], r)
+                if i >= 3:
+                    lat.append(time.perf_counter() - t0)
+            report(size, lat)
+try:
+    trio.run(server if role == "server" else client)
+except BaseException:
+    import traceback; traceback.print_exc(); finish(1)
+finish()
+"""
+
+_RAW_UCXX = """
+from ucxx._lib import libucxx as ucx
+from ucxx._lib.arr import Array
+import select
+role = sys.argv[1]
+BLOCKING = os.environ.get("PDDNET_RAW_BLOCKING") == "1"
+feats = (ucx.Feature.TAG, ucx.Feature.WAKEUP) if BLOCKING else (ucx.Feature.TAG,)
+ctx = ucx.UCXContext({}, feature_flags=feats)
+w = ucx.UCXWorker(ctx)
+if BLOCKING:
+    w.init_blocking_progress_mode()
+    FD = w.epoll_file_descriptor
+def wait(req):
+    while not req.completed:
+        w.progress()
+        if BLOCKING and not req.completed and w.arm():
+            select.select([FD], [], [], 0.002)  # sleep until UCX has an event
+    req.check_error()
+def tag(v):
+    return ucx.UCXXTag(v)
+if role == "server":
+    out({"address": bytes(w.address).hex()})
+    abuf = np.zeros(4096, np.uint8)
+    wait(w.tag_recv(Array(abuf), tag(9)))
+    n = int(abuf[:2].view(np.uint16)[0])
+    ep = w.create_endpoint_from_worker_address(
+        ucx.UCXAddress.create_from_buffer(abuf[2:2 + n].tobytes()), False)
+    ack = np.zeros(8, np.uint8)
+    for size in SIZES:
+        buf = np.zeros(size, np.uint8)
+        for i in range(ITERS[str(size)] + 3):
+            wait(w.tag_recv(Array(buf), tag(1)))
+            wait(ep.tag_send(Array(ack), tag(2)))
+    inp()
+else:
+    hello = inp()
+    ep = w.create_endpoint_from_worker_address(
+        ucx.UCXAddress.create_from_buffer(bytes.fromhex(hello["address"])), False)
+    mine = bytes(w.address)
+    abuf = np.zeros(4096, np.uint8)
+    abuf[:2] = np.frombuffer(len(mine).to_bytes(2, "little"), np.uint8)
+    abuf[2:2 + len(mine)] = np.frombuffer(mine, np.uint8)
+    wait(ep.tag_send(Array(abuf), tag(9)))
+    ack = np.zeros(8, np.uint8)
+    for size in SIZES:
+        buf = np.ones(size, np.uint8)
+        lat = []
+        for i in range(ITERS[str(size)] + 3):
+            t0 = time.perf_counter()
+            r = w.tag_recv(Array(ack), tag(2))
+            wait(ep.tag_send(Array(buf), tag(1)))
+            wait(r)
+            if i >= 3:
+                lat.append(time.perf_counter() - t0)
+        report(size, lat)
+finish()
+"""
+
+_TCP = """
+import socket
+role = sys.argv[1]
+def recv_exact(s, mv):
+    got = 0
+    while got < len(mv):
+        n = s.recv_into(mv[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+if role == "server":
+    ls = socket.create_server(("127.0.0.1", 0))
+    out({"address": ls.getsockname()[1]})
+    s, _ = ls.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for size in SIZES:
+        buf = memoryview(bytearray(size))
+        for i in range(ITERS[str(size)] + 3):
+            recv_exact(s, buf)
+            s.sendall(b"\\0" * 8)
+    inp()
+else:
+    hello = inp()
+    s = socket.create_connection(("127.0.0.1", hello["address"]))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = memoryview(bytearray(8))
+    for size in SIZES:
+        buf = np.ones(size, np.uint8)
+        lat = []
+        for i in range(ITERS[str(size)] + 3):
+            t0 = time.perf_counter()
+            s.sendall(buf)
+            recv_exact(s, ack)
+            if i >= 3:
+                lat.append(time.perf_counter() - t0)
+        report(size, lat)
+finish()
+"""
+
+_NIXL = """
+role = sys.argv[1]
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+name = "rx" if role == "server" else "tx"
+# The initiator polls with its progress thread off (NIXL's threads thrash 2 cores).
+cfg = nixl_agent_config(enable_prog_thread=(role == "server"), backends=["UCX"])
+agent = nixl_agent(name, cfg)
+big = max(SIZES)
+buf = np.zeros(big, np.uint8) if role == "server" else np.ones(big, np.uint8)
+reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, big, 0, "")], "DRAM"))
+if role == "server":
+    out({"meta": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
+    inp()
+else:
+    hello = inp()
+    peer = agent.add_remote_agent(bytes.fromhex(hello["meta"]))
+    for size in SIZES:
+        local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(hello["addr"], size, 0)], "DRAM")
+        h = agent.initialize_xfer("WRITE", local, remote, peer)
+        lat = []
+        for i in range(ITERS[str(size)] + 3):
+            t0 = time.perf_counter()
+            state = agent.transfer(h)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(h)
+            if state == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+            if i >= 3:
+                lat.append(time.perf_counter() - t0)
+        agent.release_xfer_handle(h)
+        report(size, lat)
+finish()
+"""
+
+_MOONCAKE = """
+role = sys.argv[1]
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+if rc != 0:
+    raise RuntimeError(f"TransferEngine.initialize returned {rc}")
+big = max(SIZES)
+buf = np.zeros(big, np.uint8) if role == "server" else np.ones(big, np.uint8)
+te.register_memory(buf.ctypes.data, big)
+if role == "server":
+    out({"peer": f"127.0.0.1:{te.get_rpc_port()}", "addr": buf.ctypes.data})
+    inp()
+else:
+    hello = inp()
+    for size in SIZES:
+        lat = []
+        for i in range(ITERS[str(size)] + 3):
+            t0 = time.perf_counter()
+            rc = te.transfer_sync_write(hello["peer"], buf.ctypes.data, hello["addr"], size)
+            if rc != 0:
+                raise RuntimeError(f"transfer_sync_write returned {rc}")
+            if i >= 3:
+                lat.append(time.perf_counter() - t0)
+        report(size, lat)
+finish()
+"""
+
+
+def _child_env(tls: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["UCX_TLS"] = tls
+    env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    env["PYTHONPATH"] = (
+        str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    )
+    return env
+
+
+def run_pair(
+    code: str,
+    python: str,
+    sizes: list[int],
+    iters: dict[str, int],
+    env: dict[str, str],
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """Run a server and a client child; returns the client's per-size results.
+
+    Raises:
+        RuntimeError: with the children's stderr if either fails or times out.
+    """
+    script = textwrap.dedent(_COMMON) + textwrap.dedent(code)
+    args = [json.dumps(sizes), json.dumps(iters)]
+    popen = dict(
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    srv = subprocess.Popen([python, "-c", script, "server", *args], **popen)  # type: ignore[call-overload]
+    cli = subprocess.Popen([python, "-c", script, "client", *args], **popen)  # type: ignore[call-overload]
+    deadline = time.monotonic() + timeout
+    results: list[dict[str, Any]] = []
+
+    def line(p: Any, who: str) -> str:
+        while True:
+            text = p.stdout.readline()
+            if not text:
+                raise RuntimeError(f"{who} failed: {p.stderr.read()[-2000:]}")
+            if text.startswith("@@"):
+                return str(text[2:])
+
+    try:
+        cli.stdin.write(line(srv, "server"))
+        cli.stdin.flush()
+        for _size in sizes:
+            if code is _PDDNET:  # the receiver hands out this size's grants
+                cli.stdin.write(line(srv, "server"))
+                cli.stdin.flush()
+            results.append(json.loads(line(cli, "client")))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout} s")
+        srv.stdin.write("{}\n")
+        srv.stdin.flush()
+        cli.wait(timeout=max(1.0, deadline - time.monotonic()))
+        srv.wait(timeout=10)
+    finally:
+        for p in (srv, cli):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _install_peers(venv: str, errors: dict[str, str]) -> None:
+    """Make the peers' venv: NIXL and Mooncake wheels without their torch/CUDA deps."""
+    cmds = [
+        [sys.executable, "-m", "venv", venv],
+        [f"{venv}/bin/pip", "install", "-q", "--no-deps", "nixl-cu12", "numpy"],
+        [f"{venv}/bin/pip", "install", "-q", "--no-deps", "mooncake-transfer-engine-non-cuda"],
+    ]
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            errors[" ".join(cmd[-1:])] = r.stderr[-1000:]
+
+
+def main(args: argparse.Namespace) -> int:
+    sizes = K_QUICK_SIZES if args.quick else K_SIZES
+    iters = {str(s): _iters(s, args.quick) for s in sizes}
+    impls: dict[str, tuple[str, str, list[str]]] = {
+        "pddnet": (_PDDNET, sys.executable, ["sm", "tcp"]),
+        "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp"]),
+        "raw_ucxx_epoll": (_RAW_UCXX, sys.executable, ["sm"]),
+        "tcp": (_TCP, sys.executable, ["tcp"]),
+    }
+    errors: dict[str, str] = {}
+    peer_py = str(Path(args.peer_venv) / "bin" / "python")
+    if args.install_peers and not Path(peer_py).exists():
+        _install_peers(args.peer_venv, errors)
+    impls["nixl"] = (_NIXL, peer_py, ["sm", "tcp"])
+    impls["mooncake"] = (_MOONCAKE, peer_py, ["tcp"])
+    rows: list[dict[str, Any]] = []
+    for name, (code, python, modes) in impls.items():
+        if args.only and name not in args.only:
+            continue
+        for mode in modes:
+            key = f"{name}/{mode}"
+            if not Path(python).exists():
+                errors[key] = f"no peer environment at {args.peer_venv} (use --install-peers)"
+                continue
+            env = _child_env(K_TLS[mode])
+            if name == "raw_ucxx_epoll":
+                env["PDDNET_RAW_BLOCKING"] = "1"
+            try:
+                res = run_pair(code, python, sizes, iters, env, args.timeout)
+            except Exception as exc:
+                errors[key] = f"{type(exc).__name__}: {exc}"
+                print(f"{key}: {errors[key][:300]}", file=sys.stderr)
+                continue
+            for r in res:
+                rows.append(
+                    {
+                        "impl": name,
+                        "mode": mode,
+                        "size": r["size"],
+                        "median_us": r["median_s"] * 1e6,
+                        "gb_per_s": r["size"] / r["median_s"] / 1e9,
+                        "n": r["n"],
+                    }
+                )
+    print_table(rows, title="local path, two processes (median)")
+
+    def pick(impl: str, mode: str, size: int, field: str) -> float | None:
+        for r in rows:
+            if (r["impl"], r["mode"], r["size"]) == (impl, mode, size):
+                return float(r[field])
+        return None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a / b
+
+    mib16 = 16 << 20
+    summary: dict[str, Any] = {
+        "ratio_vs_raw_ucxx_16mib": ratio(
+            pick("pddnet", "sm", mib16, "gb_per_s"), pick("raw_ucxx", "sm", mib16, "gb_per_s")
+        ),
+        "ratio_vs_nixl_16mib": ratio(
+            pick("pddnet", "sm", mib16, "gb_per_s"), pick("nixl", "sm", mib16, "gb_per_s")
+        ),
+        "latency_ratio_vs_nixl_4kib": ratio(
+            pick("pddnet", "sm", 4096, "median_us"), pick("nixl", "sm", 4096, "median_us")
+        ),
+        "pddnet_16mib_gb_per_s": pick("pddnet", "sm", mib16, "gb_per_s"),
+        "pddnet_4kib_median_us": pick("pddnet", "sm", 4096, "median_us"),
+        "tcp_16mib_gb_per_s": pick("tcp", "tcp", mib16, "gb_per_s"),
+        "targets": {
+            "ratio_vs_nixl_16mib": ">= 1.0",
+            "ratio_vs_raw_ucxx_16mib": ">= 0.9",
+            "latency_ratio_vs_nixl_4kib": "<= 1.5",
+        },
+    }
+    if summary["ratio_vs_nixl_16mib"] is None:
+        summary["nixl_error"] = errors.get("nixl/sm", "not run")
+    write_report(args.json, summary, rows=rows, errors=errors, iterations=iters)
+    return 0

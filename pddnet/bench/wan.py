@@ -1,0 +1,360 @@
+"""WAN goodput: pddnet vs iperf3 -P N vs single-stream TCP, and small transfers behind bulk.
+
+Three parts, each in the same run:
+
+* loopback: pddnet vs a plain multi-stream ``socket.sendall``/``recv_into``
+  sender (same N), unshaped; gives ``loopback_ratio_vs_raw_tcp``;
+* emulated WAN links (``pddnet.emu``): pddnet with N streams vs ``iperf3 -P N``
+  vs one plain TCP stream, each sending about ``--seconds`` worth of the link;
+  reports goodput, CPU seconds per GB (sender + receiver) and TCP-retransmitted
+  bytes;
+* priority: 256 KiB high-priority transfers issued while a bulk transfer
+  saturates the link, with pddnet's scheduler and with FIFO; completion-time
+  percentiles (from ``start`` until the receiver verified every byte).
+
+``--quick`` uses one link (30 ms RTT, 0.1 % loss, 1 Gbit/s, MTU 9000); the full
+mode sweeps RTT {0, 30, 80} ms x loss {0, 0.1, 1} % x rate {200 Mbit/s, 1 Gbit/s}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from . import _wan_peer as peer
+from ._common import Progress, add_common_arguments, percentiles, print_table, pyplot, write_report
+
+K_QUICK_LINK = {"rtt_ms": 30.0, "loss": 0.001, "rate_mbit": 1000.0, "mtu": 9000}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--streams", type=int, default=8, help="N for pddnet and iperf3 -P")
+    parser.add_argument("--cc", default="bbr", help="congestion control for every sender")
+    parser.add_argument("--chunk", type=int, default=1 << 20, help="pddnet chunk size, bytes")
+    parser.add_argument("--seconds", type=float, default=4.0, help="target seconds per run")
+    parser.add_argument("--loopback-mb", type=int, default=1024, help="loopback bytes per run")
+    parser.add_argument("--repeat", type=int, default=3, help="loopback repetitions")
+    parser.add_argument("--no-emu", action="store_true", help="loopback only")
+    parser.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="RTT_MS,LOSS,MBIT",
+        help="run only these links (e.g. 30,0.001,1000); repeatable",
+    )
+    parser.add_argument("--pacer", default="adaptive", help="pddnet pacer (adaptive, fixed)")
+    parser.add_argument(
+        "--pacer-opt",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="pacer option (float), repeatable: --pacer-opt slack=1.25",
+    )
+    parser.add_argument("--small", type=int, default=16, help="small transfers in priority runs")
+
+
+def _popts(args: argparse.Namespace) -> dict[str, float]:
+    return {k: float(v) for k, v in (o.split("=", 1) for o in args.pacer_opt)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _server(spawn: Callable[..., subprocess.Popen[Any]], argv: list[str]) -> Iterator[None]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = spawn(argv, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "READY" not in line:
+            raise RuntimeError(f"{argv[:4]} failed to start: {line!r}")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _peer_argv(role: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pddnet.bench._wan_peer", role, str(port), *extra]
+
+
+def _gbps(nbytes: float, seconds: float) -> float:
+    return nbytes * 8 / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def _row(name: str, link: str, nbytes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    secs = float(np.median([r["seconds"] for r in runs]))
+    cpu = float(np.median([r["cpu_tx"] + r.get("cpu_rx", 0.0) for r in runs]))
+    return {
+        "link": link,
+        "sender": name,
+        "goodput_gbps": _gbps(nbytes, secs),
+        "cpu_s_per_gb": cpu / (nbytes / 1e9),
+        "retrans_mb": float(np.median([r["retrans"] for r in runs])) / 1e6,
+        "runs": len(runs),
+    }
+
+
+def loopback(args: argparse.Namespace, bar: Progress) -> list[dict[str, Any]]:
+    n = args.streams
+    nbytes = (256 if args.quick else args.loopback_mb) << 20
+    raw_port, pdd_port = _free_port(), _free_port()
+    raw_runs, pdd_runs = [], []
+    with (
+        _server(subprocess.Popen, _peer_argv("raw-rx", raw_port, str(nbytes))),
+        _server(subprocess.Popen, _peer_argv("pdd-rx", pdd_port)),
+    ):
+        for _ in range(args.repeat):  # interleaved, so machine noise hits both alike
+            raw_runs.append(peer.raw_send("127.0.0.1", raw_port, nbytes, n, args.cc))
+            res = peer.pdd_send(
+                "127.0.0.1", pdd_port, nbytes, n, args.cc, chunk_size=args.chunk, pacer=args.pacer
+            )
+            pdd_runs += res["runs"]
+            bar.advance(note="loopback")
+    return [
+        _row(f"plain TCP x{n}", "loopback", nbytes, raw_runs),
+        _row(f"pddnet x{n}", "loopback", nbytes, pdd_runs),
+    ]
+
+
+def _link_name(link: dict[str, float]) -> str:
+    return f"{link['rtt_ms']:g}ms/{link['loss'] * 100:g}%/{link['rate_mbit']:g}M"
+
+
+def _iperf3(wan: Any, n: int, seconds: float, cc: str) -> dict[str, Any]:
+    port = 5201
+    proc = wan.md.spawn(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    try:
+        res = wan.p.run(
+            [
+                "iperf3",
+                "-c",
+                wan.md.addr,
+                "-p",
+                str(port),
+                "-P",
+                str(n),
+                "-t",
+                f"{seconds:g}",
+                "-C",
+                cc,
+                "-J",
+            ],
+            timeout=seconds + 30,
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    rep = json.loads(res.stdout)
+    end = rep["end"]
+    secs = float(end["sum_received"]["seconds"])
+    nbytes = float(end["sum_received"]["bytes"])
+    cpu = end.get("cpu_utilization_percent", {})
+    mss = 8948  # MTU 9000 minus IP/TCP headers with timestamps; segments -> bytes
+    return {
+        "bytes": nbytes,
+        "seconds": secs,
+        "cpu_tx": cpu.get("host_total", 0.0) / 100 * secs,
+        "cpu_rx": cpu.get("remote_total", 0.0) / 100 * secs,
+        "retrans": end["sum_sent"].get("retransmits", 0) * mss,
+    }
+
+
+def emulated(
+    args: argparse.Namespace, link: dict[str, float], bar: Progress, priority: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    from ..emu import emulated_wan
+
+    n = args.streams
+    rate = link["rate_mbit"] * 1e6
+    nbytes = int(rate / 8 * args.seconds)
+    name = _link_name(link)
+    rows: list[dict[str, Any]] = []
+    prio: dict[str, Any] | None = None
+    with emulated_wan(
+        f"{link['rtt_ms']}ms",
+        rate=f"{link['rate_mbit']:g}mbit",
+        loss=link["loss"],
+        mtu=int(link["mtu"]),
+    ) as wan:
+        # Persistent streams sit idle between transfers: keep their congestion
+        # window (the recommended setting for pddnet hosts; see docs/wan.md).
+        for host in (wan.p, wan.md):
+            host.run(["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
+        md = wan.md.addr
+        raw_port, pdd_port = 6000, 6100
+        with (
+            _server(wan.md.spawn, _peer_argv("raw-rx", raw_port, str(nbytes))),
+            _server(wan.md.spawn, _peer_argv("pdd-rx", pdd_port)),
+        ):
+            ip = _iperf3(wan, n, args.seconds, args.cc)
+            rows.append(_row(f"iperf3 -P {n}", name, int(ip["bytes"]), [ip]))
+            bar.advance(note=f"{name} iperf3")
+            res = wan.p.call(
+                peer.pdd_send,
+                md,
+                pdd_port,
+                nbytes,
+                n,
+                args.cc,
+                chunk_size=args.chunk,
+                pacer=args.pacer,
+                pacer_options=_popts(args),
+                timeout=args.seconds * 20 + 60,
+            )
+            row = _row(f"pddnet x{n}", name, nbytes, res["runs"])
+            row["resent_mb"] = res["runs"][0]["resent"] / 1e6
+            row["pacing"] = res["runs"][0]["pacing"]
+            rows.append(row)
+            bar.advance(note=f"{name} pddnet")
+            single = wan.p.call(
+                peer.raw_send,
+                md,
+                raw_port,
+                nbytes // 2,
+                1,
+                args.cc,
+                timeout=args.seconds * 40 + 60,
+            )
+            rows.append(_row("plain TCP x1", name, nbytes // 2, [single]))
+            bar.advance(note=f"{name} single")
+            if priority:
+                prio = {"link": name, "rtt_s": link["rtt_ms"] / 1e3}
+                bulk = int(rate / 8 * max(args.seconds * 0.6, 2.0))
+                interval = 0.1
+                for policy in ("priority", "fifo"):
+                    r = wan.p.call(
+                        peer.pdd_send,
+                        md,
+                        pdd_port,
+                        bulk,
+                        n,
+                        args.cc,
+                        chunk_size=args.chunk,
+                        policy=policy,
+                        small=args.small,
+                        small_interval=interval,
+                        pacer=args.pacer,
+                        pacer_options=_popts(args),
+                        small_delay=0.3,
+                        timeout=args.seconds * 20 + 60,
+                    )
+                    run = r["runs"][0]
+                    prio[policy] = {
+                        "small_s": run["small_s"],
+                        "bulk_goodput_gbps": _gbps(bulk, run["seconds"]),
+                        **percentiles(run["small_s"]),
+                    }
+                    bar.advance(note=f"{name} {policy}")
+    return rows, prio
+
+
+def _plot(path: str, rows: list[dict[str, Any]], prio: dict[str, Any] | None) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    senders = list(dict.fromkeys(r["sender"] for r in rows))
+    width = 0.8 / max(len(senders), 1)
+    for i, s in enumerate(senders):
+        vals = [
+            next((r["goodput_gbps"] for r in rows if r["link"] == lk and r["sender"] == s), 0)
+            for lk in links
+        ]
+        axes[0].bar(np.arange(len(links)) + i * width, vals, width, label=s)
+    axes[0].set_xticks(np.arange(len(links)) + 0.4 - width / 2, links, rotation=30, ha="right")
+    axes[0].set_ylabel("goodput, Gbit/s")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("goodput per link (RTT/loss/rate)")
+    if prio:
+        for policy in ("priority", "fifo"):
+            xs = np.sort(np.asarray(prio[policy]["small_s"]) * 1e3)
+            axes[1].step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=policy)
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("256 KiB completion time during bulk, ms")
+        axes[1].set_ylabel("CDF")
+        axes[1].legend()
+        axes[1].set_title(f"small transfers behind bulk ({prio['link']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    links: list[dict[str, float]] = []
+    if not args.no_emu:
+        from ..emu import unavailable_reason
+
+        why = unavailable_reason()
+        if why:
+            print(f"emulated WAN unavailable ({why}); loopback only", file=sys.stderr)
+        elif args.link:
+            links = [
+                {"rtt_ms": float(a), "loss": float(b), "rate_mbit": float(c), "mtu": 9000}
+                for a, b, c in (x.split(",") for x in args.link)
+            ]
+        elif args.quick:
+            links = [dict(K_QUICK_LINK)]
+        else:
+            links = [
+                {"rtt_ms": rtt, "loss": loss, "rate_mbit": rate, "mtu": 9000}
+                for rtt in (0.0, 30.0, 80.0)
+                for loss in (0.0, 0.001, 0.01)
+                for rate in (200.0, 1000.0)
+            ]
+    steps = args.repeat + 3 * len(links) + (2 if links else 0)
+    rows: list[dict[str, Any]] = []
+    prio = None
+    with Progress(steps, "bench wan") as bar:
+        rows += loopback(args, bar)
+        for link in links:
+            is_quick_link = link == K_QUICK_LINK or (
+                link["rtt_ms"] == 30 and link["loss"] == 0.001 and link["rate_mbit"] == 1000
+            )
+            r, p = emulated(args, link, bar, priority=is_quick_link)
+            rows += r
+            prio = p or prio
+    print_table(rows, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
+    summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
+    lb = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == "loopback"}
+    summary["loopback_ratio_vs_raw_tcp"] = lb["pddnet"] / lb["plain"]
+    quick = _link_name(K_QUICK_LINK)
+    q = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == quick}
+    if q:
+        summary["link_utilization"] = q["pddnet"] / (K_QUICK_LINK["rate_mbit"] / 1e3)
+        summary["ratio_vs_iperf3"] = q["pddnet"] / q["iperf3"]
+        summary["ratio_vs_single_tcp"] = q["pddnet"] / q["plain"]
+    if prio:
+        rtt = prio["rtt_s"]
+        summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt
+        summary["small_p99_rtts_fifo"] = prio["fifo"]["p99"] / rtt
+        print_table(
+            [
+                {
+                    "policy": p,
+                    **{k: prio[p][k] * 1e3 for k in ("p50", "p99", "max")},
+                    "bulk_gbps": prio[p]["bulk_goodput_gbps"],
+                }
+                for p in ("priority", "fifo")
+            ],
+            title=f"\n256 KiB completion (ms) during bulk on {prio['link']}",
+        )
+    print("\nsummary:", json.dumps(summary, indent=1))
+    write_report(args.json, summary, rows=rows, priority=prio)
+    if getattr(args, "png", None):
+        _plot(args.png, rows, prio)
+    return 0

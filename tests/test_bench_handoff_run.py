@@ -1,0 +1,90 @@
+"""``pddnet bench handoff`` end to end: real MD and RLD processes, tiny runs.
+
+The loopback run works anywhere; the emulated one needs root, network
+namespaces and /dev/net/tun and skips otherwise. Only sizes and sanity are
+asserted: speed targets belong to the benchmark's own report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pddnet.bench import handoff
+from pddnet.emu import unavailable_reason
+
+K_KEYS = {
+    "token_payload_bytes_100",
+    "kv_payload_bytes_100",
+    "recompute_cv",
+    "kv_ship_cv",
+    "kv_ship_max_over_mean",
+}
+
+
+def _run(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    handoff.add_arguments(parser)
+    out = tmp_path / "h.json"
+    png = tmp_path / "h.png"
+    args = parser.parse_args([*argv, "--json", str(out), "--png", str(png)])
+    assert handoff.main(args) == 0
+    assert png.stat().st_size > 1000
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def _check_sane(report: dict[str, Any], b: int, repeat: int) -> dict[str, Any]:
+    s = report["summary"]
+    assert set(s) >= K_KEYS
+    assert s["kv_payload_bytes_100"] == 100 * b  # exact: the incremental KV, not whole blocks
+    assert s["kv_wire_bytes_mean"] >= 100 * b
+    # an authenticated TokenBatch: ~45 fixed bytes plus 1-3 varint bytes per id
+    assert 100 + 40 < s["token_payload_bytes_100"] <= 45 + 3 * 100
+    assert s["repeat"] == repeat
+    for key in ("kv_ship_mean_ms", "recompute_mean_ms", "md_compute_mean_ms"):
+        assert 0 < s[key] < 60_000
+    assert s["kv_ship_max_over_mean"] >= 1 and s["recompute_cv"] >= 0
+    pt = report["results"][0]["points"][0]
+    assert len(pt["kv_s"]) == len(pt["token_s"]) == repeat
+    assert all(t > 0 for t in pt["kv_s"] + pt["token_s"])
+    # MD's recompute happens inside the token-ID round trip, so it is never longer
+    md = {m["rid"]: m["compute_s"] for m in report["results"][0]["md"] if "compute_s" in m}
+    for rid, t in zip(pt["request_ids"], pt["token_s"], strict=True):
+        assert 0 < md[rid] < t
+    return s
+
+
+def test_loopback_run_reports_sane_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = _run(tmp_path, "--loopback", "--repeat", "3", "--warmup", "1", "--prefix", "32")
+    s = _check_sane(report, 47616, 3)
+    assert s["network"] == "loopback" and s["fallback"]
+    assert "LOOPBACK" in capsys.readouterr().err  # said plainly, not silently
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
+def test_emulated_run_reports_sane_values(tmp_path: Path) -> None:
+    report = _run(
+        tmp_path,
+        "--wan",
+        "rtt=10ms,jitter=1ms,loss=0,rate=1gbit",
+        "--repeat",
+        "3",
+        "--warmup",
+        "1",
+        "--prefix",
+        "32",
+        "--model",
+        "layers=4,kv_heads=2,head_dim=64,dtype=float16",
+    )
+    s = _check_sane(report, 4 * 2 * 2 * 64 * 2, 3)
+    assert s["network"] == "emulated" and s["fallback"] is None
+    # every handoff crosses the 10 ms RTT link at least once
+    assert s["kv_ship_p50_ms"] > 5 and s["recompute_p50_ms"] > 5

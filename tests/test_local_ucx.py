@@ -1,0 +1,218 @@
+"""The local (UCX) path: conformance, a transfer between two processes, and the fallback.
+
+UCX runs only in child processes that end with ``os._exit`` (UCX can hang or
+crash in interpreter teardown), each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pddnet import LocalProtocolError, RemoteProtocolError
+from pddnet._optional import available
+
+UCX = available("ucxx._lib.libucxx")
+ucx = pytest.mark.skipif(not UCX, reason="ucxx is not installed")
+ENV = {
+    **os.environ,
+    "UCX_TLS": os.environ.get("UCX_TLS", "tcp,sm,self"),
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+def run_child(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+CONFORMANCE = """
+import os, sys, trio
+from contextlib import asynccontextmanager
+from pddnet.transport.local import UcxReceiver, UcxSender
+from pddnet.transport.testing import check_transport
+
+@asynccontextmanager
+async def maker():
+    async with UcxReceiver() as rx:
+        async with UcxSender(rx.address, max_inflight=int(sys.argv[1])) as tx:
+            yield tx, rx
+
+async def main():
+    ran = await check_transport(maker)
+    print("PASSED", " ".join(ran), flush=True)
+
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.ucx
+@ucx
+@pytest.mark.parametrize("inflight", [16, 1])
+def test_conformance(inflight: int) -> None:
+    """Both ends in one child process, on separate UCX contexts and workers."""
+    r = run_child(CONFORMANCE, str(inflight))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = r.stdout.split("PASSED", 1)[1].split()
+    assert "deadlines" in ran and "layers" in ran and len(ran) == 10
+
+
+PEER = """
+import json, os, sys, trio, numpy as np
+from pddnet.kv import KVLayout, KVPool, TransferPlan
+from pddnet.transport import Grant
+from pddnet.transport.local import UcxReceiver, UcxSender
+
+role, seed = sys.argv[1], int(sys.argv[2])
+layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, kv_major=True)
+rng = np.random.default_rng(seed)
+src_ids = rng.permutation(200)[:90]
+dst_ids = np.sort(rng.permutation(300)[:90])  # runs on the destination side
+plan = TransferPlan.build(layout, 200, src_ids, 300, dst_ids)
+
+def source():
+    pool = KVPool.allocate(layout, 200, fill=None)
+    for b in pool.buffers:
+        b.view(np.uint8)[...] = np.random.default_rng(seed + 1).integers(0, 256, b.nbytes,
+                                dtype=np.uint8).reshape(b.view(np.uint8).shape)
+    return pool
+
+async def receiver():
+    pool = KVPool.allocate(layout, 300, fill=0xA5)
+    async with UcxReceiver() as rx:
+        g = rx.grant(pool.host_views(), plan.dst, num_layers=layout.num_layers, timeout=30)
+        print(json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address]), flush=True)
+        for layer in range(layout.num_layers):
+            await rx.wait_layer(g.transfer_id, layer)
+        await rx.wait_transfer(g.transfer_id)
+        want = source().read(plan.src)
+        assert pool.read(plan.dst) == want, "destination differs"
+        untouched = KVPool.allocate(layout, 300, fill=0xA5)
+        keep = np.setdiff1d(np.arange(300), dst_ids)
+        rng_ = untouched.ranges(keep)
+        assert pool.read(rng_) == untouched.read(rng_), "bytes outside the grant changed"
+        print("VERIFIED", g.total, flush=True)
+
+async def sender():
+    tid, total, ends, address = json.loads(sys.stdin.readline())
+    g = Grant(tid, total, tuple(ends), address)
+    pool = source()
+    async with UcxSender(address.split("#")[0]) as tx:
+        t = tx.start(g, pool.host_views(), plan.src, ready=False, timeout=30)
+        for layer in range(layout.num_layers):  # as prefill produces layers
+            t.mark_layer_ready(layer)
+            await trio.sleep(0.01)
+        await t.wait()
+        print("SENT", tx.statistics().bytes_sent, tx.statistics().bytes_staged, flush=True)
+
+try:
+    trio.run(receiver if role == "rx" else sender)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.ucx
+@ucx
+def test_two_processes_bit_for_bit() -> None:
+    """A KV plan between two processes: layers stream in, bytes match, nothing else moves."""
+    seed = "7"
+    rx = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PEER), "rx", seed],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert rx.stdout is not None
+        line = rx.stdout.readline()
+        assert line.startswith("["), rx.stderr.read() if rx.stderr else line
+        tx = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(PEER), "tx", seed],
+            input=line,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
+        )
+        assert tx.returncode == 0, tx.stderr[-3000:]
+        out, err = rx.communicate(timeout=60)
+        assert rx.returncode == 0, err[-3000:]
+        total = json.loads(line)[1]
+        assert f"VERIFIED {total}" in out
+        sent = tx.stdout.split()
+        assert sent[0] == "SENT" and int(sent[1]) == total and int(sent[2]) == 0  # zero-copy
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+
+
+# ---------------------------------------------------------------- without UCX
+def test_fallback_to_tcp_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pddnet.transport.local import _fallback
+    from pddnet.transport.wan import WanReceiver, WanSender
+
+    monkeypatch.setattr(_fallback, "local_available", lambda: False)
+    monkeypatch.setattr(_fallback, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="pddnet.transport.local"):
+        rx = _fallback.open_local_receiver(tls="tcp", spin_us=1.0)
+        rx2 = _fallback.open_local_receiver()
+        tx = _fallback.open_local_sender("tcp://127.0.0.1:9", max_inflight=3)
+    assert isinstance(rx, WanReceiver) and isinstance(rx2, WanReceiver)
+    assert isinstance(tx, WanSender)
+    warnings = [r for r in caplog.records if "falls back to TCP" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+async def test_fallback_pair_moves_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio
+
+    from pddnet.transport.local import _fallback
+    from pddnet.transport.testing import make_case
+
+    monkeypatch.setattr(_fallback, "local_available", lambda: False)
+    case = make_case(3, 100_000, pieces=4)
+    rx = _fallback.open_local_receiver()
+    async with rx:  # type: ignore[attr-defined]
+        tx = _fallback.open_local_sender(rx.address)  # type: ignore[attr-defined]
+        async with tx:  # type: ignore[attr-defined]
+            g = rx.grant(case.dst, case.dst_ranges)
+            with trio.fail_after(10):
+                await tx.send(g, case.src, case.src_ranges)
+                await rx.wait_transfer(g.transfer_id)
+    case.check_complete()
+
+
+def test_control_codec_and_addresses() -> None:
+    from pddnet.transport.local._transport import K_CTRL_MAX, UcxSender, _Ctl, _pack, _unpack
+
+    msg = _pack(_Ctl.CANCEL, 0xDEADBEEF, 42, 2, b"x")
+    buf = bytearray(K_CTRL_MAX)
+    buf[: len(msg)] = msg
+    assert _unpack(buf) == (_Ctl.CANCEL, 0xDEADBEEF, 42, 2, b"x")
+    with pytest.raises(RemoteProtocolError):
+        _unpack(b"\xff\xff\xff\x7f" + b"\0" * 8)
+    with pytest.raises(RemoteProtocolError):
+        _unpack(b"\x03\0\0\0\x93\x01\x02" + b"\0" * 8)
+    with pytest.raises(LocalProtocolError):
+        UcxSender("tcp://127.0.0.1:5")
