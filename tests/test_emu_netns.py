@@ -82,7 +82,9 @@ def test_idle_rtt_accuracy(wan_link: WanLink) -> None:
 
 def test_tcp_throughput_accuracy(wan_link: WanLink) -> None:
     wan = wan_link(rtt="20ms", rate="200mbit", mtu=9000)
-    tp = measure_throughput(wan.p, wan.md, seconds=2.0, omit=1.0, streams=4)
+    # A 2 s window read 2.4% high once in CI: the receiver's byte counters jump
+    # when a retransmission fills a hole, so the window must be long enough.
+    tp = measure_throughput(wan.p, wan.md, seconds=5.0, omit=1.0, streams=4)
     ratio = tp.bits_per_second / 200e6
     assert 0.85 <= ratio <= 1.02, (tp, wan.forwarder_stats())
     # The emulator kept up: no drops outside the emulated queue.
