@@ -154,3 +154,64 @@ def test_sync_facade_submits_and_polls() -> None:
 async def _stats(endpoint: PrefillEndpoint):  # type: ignore[no-untyped-def]
     await trio.lowlevel.checkpoint()
     return endpoint.statistics()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_strange_traffic_cuts_off_or_feeds_the_cache(keep: bool) -> None:
+    """RLD finishes before MD's KV lands: the WAN transfer is cancelled and MD
+    frees its blocks, or (keep) the transfer completes into MD's cache."""
+    pm, rm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(3))
+    sink = Sink()
+    async with (
+        ControlNode("user", secret=KEY) as user,
+        PrefillEndpoint("p", pm.pool, secret=KEY) as p,
+        RelayEndpoint("rld", rm.pool, ReferenceEngine(rm), secret=KEY, cut_off_wan=not keep) as rld,
+        MainEndpoint(
+            "md", mm.pool, ReferenceEngine(mm), secret=KEY, keep_strange_traffic=keep
+        ) as md,
+    ):
+        user.route(Emitted, sink.on_emit)
+        user.route(Abort, sink.on_abort)
+        for ep in (rld, md):
+            await p.connect_peer(ep.info())
+            await ep.connect_peer(p.info())
+            await ep.node.connect("user", user.address)
+        await rld.connect_peer(md.info())
+        await md.connect_peer(rld.info())
+        prompt = np.random.default_rng(2).integers(0, TINY.vocab_size, 1000).tolist()
+        seq = pm.new_sequence()
+        pm.reserve(seq, len(prompt))
+        first = greedy(pm.prefill(seq, prompt))
+        # layer-wise: RLD gets every layer now, MD none until RLD has finished
+        await p.submit(
+            7,
+            prompt,
+            seq.block_table.tolist(),
+            first,
+            4,
+            sink="user",
+            route=Route.P_RLD_MD,
+            ready=False,
+        )
+        for layer in range(TINY.num_layers):
+            p.mark_layer_ready(7, layer, dest="rld")
+        with trio.fail_after(20):
+            while 7 not in sink.ended:
+                await trio.sleep(0.01)
+            if keep:  # MD still waits for its KV: send it now
+                for layer in range(TINY.num_layers):
+                    p.mark_layer_ready(7, layer, dest="md")
+            released = await p.next_event()
+            while md.statistics().active:
+                await trio.sleep(0.01)
+        assert sink.ended[7] == "finished"
+        assert {src for _, src in sink.tokens[7].values()} == {"rld"}, sink.tokens[7]
+        assert [sink.tokens[7][k][0] for k in range(4)] == reference(prompt, 4)
+        assert p.statistics().held_blocks == 0
+        if keep:
+            assert released.error is None  # the transfer completed
+            assert len(md.cache) == 1000 // 16  # the prompt's full blocks are cached
+            assert md.statistics().free_blocks == NB - 1000 // 16
+        else:
+            assert released.error is not None  # cancelled at the source
+            assert len(md.cache) == 0 and md.statistics().free_blocks == NB

@@ -97,6 +97,7 @@ class _Request:
     driver: HandoffDriver | None = None
     landed: trio.Event = field(default_factory=trio.Event)
     early: list[Message] = field(default_factory=list)  # handoff messages before the driver
+    keep: bool = False  # strange traffic, but the transfer goes on to feed the cache
     next_pos: int = 0
     finish_pos: int = -1
     emitted: int = 0
@@ -425,9 +426,15 @@ class RelayEndpoint(_DecodeEndpoint):
             real model's speed with a small one (demo, benchmarks); 0 in production.
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
+        cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,
+            have P cancel the WAN transfer (the strange-traffic cut-off).
     """
 
     role = "relay"
+
+    def __init__(self, *args: Any, cut_off_wan: bool = True, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.cut_off_wan = cut_off_wan
 
     def _default_receiver(self, data_host: str) -> Receiver:
         # the local path: UCX where ucxx is installed (RDMA/shared memory/tcp),
@@ -462,7 +469,7 @@ class RelayEndpoint(_DecodeEndpoint):
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
         # The WAN transfer runs P -> MD; P cancels it at the source.
         req = self._reqs.get(request_id)
-        if req is not None:
+        if req is not None and self.cut_off_wan:
             await self._notify(req.p, Abort(request_id, f"cancel-wan:{reason.name}"))
 
 
@@ -474,14 +481,25 @@ class MainEndpoint(_DecodeEndpoint):
     Args:
         cache: MD's decode-side radix cache over ``pool`` (one is made if None).
         cache_lease_s: how long a pinned prefix waits for its transfer.
+        keep_strange_traffic: when RLD finishes a request before its KV landed
+            here (strange traffic), let the transfer finish and cache the
+            prompt instead of cancelling it. Right for multi-turn sessions,
+            whose next turn starts with this prompt; pair it with
+            ``RelayEndpoint(cut_off_wan=False)``.
     """
 
     role = "main"
 
     def __init__(
-        self, *args: Any, cache: RadixCache | None = None, cache_lease_s: float = 60.0, **kw: Any
+        self,
+        *args: Any,
+        cache: RadixCache | None = None,
+        cache_lease_s: float = 60.0,
+        keep_strange_traffic: bool = False,
+        **kw: Any,
     ) -> None:
         super().__init__(*args, **kw)
+        self.keep_strange_traffic = keep_strange_traffic
         self.cache = cache or RadixCache(self.pool.layout.block_size)
         self.drc = CacheServer(self.cache, lease_s=cache_lease_s)
         self._subscribers: set[str] = set()
@@ -570,15 +588,26 @@ class MainEndpoint(_DecodeEndpoint):
 
             nursery.start_soon(land)
             result = await driver.run()
-            nursery.cancel_scope.cancel()
+            if not req.keep:
+                nursery.cancel_scope.cancel()
+            # else: the transfer still runs to feed the cache; land() ends with it
         await self._finish(req, result.error)
         if result.error is not None and not req.relay:
             await self._tell_sink_abort(req, str(result.error))
 
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
         req = self._reqs.get(request_id)
-        if req is not None:
-            self.receiver.cancel(req.transfer_id)
+        if req is None:
+            return
+        if self.keep_strange_traffic and reason in (AbortReason.RLD_FINISHED, AbortReason.FALLBACK):
+            req.keep = True
+            return
+        self.receiver.cancel(req.transfer_id)
+
+    async def free_blocks(self, request_id: int) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None and not req.keep:
+            self._free(req, landed=False)
 
 
 def _plain(obj: Any) -> Any:

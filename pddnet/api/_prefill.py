@@ -369,13 +369,18 @@ class PrefillEndpoint:
             self._stats["local_bytes"] += req.outs[relay_peer].nbytes
         return Submission(request_id, decision, skip, nblocks - skip, nblocks if relay_peer else 0)
 
-    def mark_layer_ready(self, request_id: int, layer: int) -> None:
-        """Layer ``layer`` of the request's KV is final: send it (``ready=False``)."""
+    def mark_layer_ready(self, request_id: int, layer: int, dest: str | None = None) -> None:
+        """Layer ``layer`` of the request's KV is final: send it (``ready=False``).
+
+        Args:
+            dest: only to this decoder (default: to every destination).
+        """
         req = self._reqs.get(request_id)
         if req is None:
             raise LocalProtocolError("unknown request", request_id=request_id)
         for out in req.outs.values():
-            out.transfer.mark_layer_ready(layer)
+            if dest is None or out.dest == dest:
+                out.transfer.mark_layer_ready(layer)
 
     async def abort(self, request_id: int, reason: str = "aborted by the engine") -> None:
         """Cancel the request's transfers, tell its decoders, free its blocks."""

@@ -60,6 +60,11 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     receiver = None
     if role == "relay" and cfg.get("local_path", "tcp") == "tcp":
         receiver = WanReceiver(host=cfg["data_host"])
+    # Multi-turn sessions: when RLD finishes first, the prompt's KV still goes
+    # to MD's cache, because the session's next turn starts with it.
+    extra: dict[str, Any] = (
+        {"cut_off_wan": False} if role == "relay" else {"keep_strange_traffic": True}
+    )
     async with cls(
         role,
         model.pool,
@@ -70,6 +75,7 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
         step_time_s=cfg["step_time_s"],
         params=params,
         receiver=receiver,
+        **extra,
     ) as ep:
         await ep.node.connect("p", cfg["rendezvous"])
         await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()), "register")
