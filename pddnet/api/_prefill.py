@@ -24,7 +24,7 @@ from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
 from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot, DrcSnapshotRequest
 from ..control import ControlNode
 from ..kv import KVPool, block_ranges
-from ..route import Route, RouteDecision, RoutePolicy, Router, RouteRequest
+from ..route import Route, RouteDecision, RoutePolicy, Router, RouteReason, RouteRequest
 from ..transport import Grant, Sender, Transfer
 from ..transport.local import open_local_sender
 from ..transport.wan import WanSender
@@ -291,7 +291,7 @@ class PrefillEndpoint:
         if route is None:
             decision = self.router.decide(RouteRequest(request_id, delta, max_tokens), now)
         else:
-            decision = RouteDecision(request_id, route, _forced_reason(route), 0.0, 0, now)
+            decision = RouteDecision(request_id, route, RouteReason.FORCED, 0.0, 0, now)
         relay_peer = self._peer("relay", relay) if decision.uses_rld else ""
         if not decision.uses_wan:
             raise LocalProtocolError("the P->RLD-only route is not served by this endpoint")
@@ -469,9 +469,3 @@ class PrefillEndpoint:
                     "lease expired: no renewal from the receivers", request_id=lease.request_id
                 )
                 self._events_in.send_nowait(BlocksReleased(lease.request_id, lease.blocks, err))
-
-
-def _forced_reason(route: Route) -> Any:
-    from ..route import RouteReason
-
-    return RouteReason.MASK_TRANSFER if route is Route.P_RLD_MD else RouteReason.FITS_TTFT

@@ -55,6 +55,7 @@ class RouteReason(enum.Enum):
     SHORT_OUTPUT = "max_tokens ends before the KV could land: skip the WAN transfer"
     RELAY_FULL = "RLD is at its concurrent-relay limit: shed to P->MD"
     EAGER_BUDGET = "RLD's eager-token budget is spent: shed to P->MD"
+    FORCED = "the caller chose the route"
 
 
 @dataclass(frozen=True, slots=True)
