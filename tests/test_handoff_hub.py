@@ -54,3 +54,27 @@ async def test_hub_routes_by_request_and_detects_failure() -> None:
         with trio.fail_after(10):
             await hub.watch("rld0", interval_s=0.2, misses=2, user_position=lambda rid: rid * 10)
         assert d1.failed == [10] and d2.failed == [20]
+
+
+async def test_hub_holds_messages_for_an_expected_request() -> None:
+    async with (
+        ControlNode("rld0", secret=SECRET) as rld_node,
+        ControlNode("md0", secret=SECRET) as md_node,
+    ):
+        hub = HandoffHub(rld_node)
+        hub.expect(9)
+        await md_node.connect("rld0", rld_node.address)
+        await md_node.send("rld0", KvReady(9))  # before RLD's driver exists
+        await md_node.send("rld0", KvReady(10))  # nobody expects request 10
+        with trio.fail_after(5):
+            while hub.unrouted < 1:
+                await trio.sleep(0.01)
+        driver = FakeDriver(9)
+        hub.attach(driver)  # type: ignore[arg-type]
+        assert driver.got == [KvReady(9)]
+        hub.detach(9)
+        await md_node.send("rld0", KvReady(9))  # late: dropped, not held
+        with trio.fail_after(5):
+            while hub.unrouted < 2:
+                await trio.sleep(0.01)
+        assert driver.got == [KvReady(9)]

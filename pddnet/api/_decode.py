@@ -38,14 +38,12 @@ from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
 from ..control import ControlNode
 from ..handoff import (
     AbortReason,
+    ControlLink,
     FinishReason,
-    HandoffAbort,
-    HandoffAck,
+    HandoffHub,
     HandoffParams,
-    KvReady,
     MainDriver,
     RelayDriver,
-    TokenBatch,
 )
 from ..handoff._driver import HandoffDriver
 from ..kv import KVPool, block_ranges
@@ -62,7 +60,6 @@ __all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
 log = logging.getLogger("pddnet.api")
 
 K_MAX_PROMPT = 1 << 20
-_HANDOFF_MESSAGES = (TokenBatch, HandoffAck, KvReady, HandoffAbort)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +93,6 @@ class _Request:
     plan_id: int | None = None
     driver: HandoffDriver | None = None
     landed: trio.Event = field(default_factory=trio.Event)
-    early: list[Message] = field(default_factory=list)  # handoff messages before the driver
     keep: bool = False  # strange traffic, but the transfer goes on to feed the cache
     next_pos: int = 0
     finish_pos: int = -1
@@ -122,6 +118,7 @@ class _DecodeEndpoint:
         lease_s: float = 10.0,
         receiver: Receiver | None = None,
         step_time_s: float = 0.0,
+        watch_interval_s: float = 0.5,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -129,6 +126,7 @@ class _DecodeEndpoint:
         self.params = params or HandoffParams()
         self.lease_s = lease_s
         self.step_time_s = step_time_s
+        self.watch_interval_s = watch_interval_s
         self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
         self.engine_id = engine_id or name
         self.rank = rank
@@ -152,8 +150,7 @@ class _DecodeEndpoint:
         self.node.route(KvOffer, self._on_offer)
         self.node.route(Abort, self._on_abort)
         self.node.route(StatsRequest, self._on_stats)
-        for cls in _HANDOFF_MESSAGES:
-            self.node.route(cls, self._on_handoff)
+        self.hub = HandoffHub(self.node)
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
@@ -181,6 +178,9 @@ class _DecodeEndpoint:
         """
         self.pool.layout.check_compatible(info.layout)
         await self.node.connect(info.name, info.control)
+        if info.role in ("relay", "main") and info.role != self.role and self.watch_interval_s:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch, info.name)
 
     def statistics(self) -> DecodeStatistics:
         return DecodeStatistics(
@@ -247,6 +247,7 @@ class _DecodeEndpoint:
         self._stats["blocks_received"] += len(dst)
         self._stats["blocks_cached_hit"] += skip
         self._reqs[req.rid] = req
+        self.hub.expect(req.rid)
         assert self._nursery is not None
         self._nursery.start_soon(self._serve, req)
         return KvAccept(
@@ -294,6 +295,7 @@ class _DecodeEndpoint:
             self.handoff_stats.append(machine.statistics(trio.current_time()))
         req.done = True
         self._reqs.pop(req.rid, None)
+        self.hub.detach(req.rid)
         self.engine.finish(req.rid)
         # Blocks are cacheable only if the prompt's KV really landed in them.
         self._free(req, req.landed.is_set())
@@ -328,23 +330,24 @@ class _DecodeEndpoint:
         else:
             self.receiver.cancel(req.transfer_id)
 
-    def _on_handoff(self, peer: str, msg: Message) -> None:
-        rid = getattr(msg, "request_id", None)
-        req = self._reqs.get(rid) if isinstance(rid, int) else None
-        if req is None:
-            log.debug("%s: handoff message for unknown request %s", self.name, rid)
-        elif req.driver is None:
-            if len(req.early) < 64:  # e.g. MD's KvReady before RLD's own KV landed
-                req.early.append(msg)
-        else:
-            req.driver.deliver(msg)
-
     def _start_driver(self, req: _Request, driver: HandoffDriver) -> HandoffDriver:
         req.driver = driver
-        for msg in req.early:
-            driver.deliver(msg)
-        req.early.clear()
+        self.hub.attach(driver)
         return driver
+
+    def _link(self, peer: str) -> ControlLink:
+        return ControlLink(
+            self.node,
+            peer,
+            timeout=2.0,
+            on_cancel_transfer=self.cancel_transfer,
+            on_free_blocks=self.free_blocks,
+        )
+
+    async def _watch(self, peer: str) -> None:
+        """Declare ``peer`` failed to this node's drivers when it stops answering pings."""
+        while True:
+            await self.hub.watch(peer, interval_s=self.watch_interval_s)
 
     # ---------------------------------------------------- driver interfaces
     # (the handoff driver's DecodeEngine and Link protocols, per request)
@@ -393,23 +396,6 @@ class _DecodeEndpoint:
         raise NotImplementedError
 
 
-class _Link:
-    """The handoff driver's link for one request: messages go to ``peer``."""
-
-    def __init__(self, endpoint: _DecodeEndpoint, peer: str) -> None:
-        self.endpoint = endpoint
-        self.peer = peer
-
-    async def send(self, message: Message) -> None:
-        await self.endpoint.node.send(self.peer, message, timeout=2.0)
-
-    async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
-        await self.endpoint.cancel_transfer(request_id, reason)
-
-    async def free_blocks(self, request_id: int) -> None:
-        await self.endpoint.free_blocks(request_id)
-
-
 class RelayEndpoint(_DecodeEndpoint):
     """RLD: decodes eager tokens as soon as the local KV lands, then hands over.
 
@@ -424,6 +410,8 @@ class RelayEndpoint(_DecodeEndpoint):
         lease_s: lease renewal period is a third of this.
         step_time_s: sleep this long before each decode step, to emulate a
             real model's speed with a small one (demo, benchmarks); 0 in production.
+        watch_interval_s: ping the other decoder this often; three missed
+            pings declare it failed to every running handoff (0: don't watch).
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,
@@ -453,7 +441,7 @@ class RelayEndpoint(_DecodeEndpoint):
             await self._finish(req, exc)
             return
         driver = self._start_driver(
-            req, RelayDriver(self, _Link(self, req.main), req.rid, self.params)
+            req, RelayDriver(self, self._link(req.main), req.rid, self.params)
         )
         result = await driver.run()
         await self._finish(req, result.error)
@@ -570,7 +558,7 @@ class MainEndpoint(_DecodeEndpoint):
     async def _serve(self, req: _Request) -> None:
         driver = self._start_driver(
             req,
-            MainDriver(self, _Link(self, req.relay), req.rid, self.params, relayed=bool(req.relay)),
+            MainDriver(self, self._link(req.relay), req.rid, self.params, relayed=bool(req.relay)),
         )
         async with trio.open_nursery() as nursery:
 

@@ -271,6 +271,7 @@ def pdd_send(
                             "rate_per_stream": st.rate_per_stream,
                             "active_streams": st.active_streams,
                             "trouble": getattr(tx._pacer, "trouble", ""),
+                            "trace": list(getattr(tx._pacer, "history", ()))[-400:],
                         },
                     }
                 )

@@ -50,8 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link",
         action="append",
         default=[],
-        metavar="RTT_MS,LOSS,MBIT",
-        help="run only these links (e.g. 30,0.001,1000); repeatable",
+        metavar="RTT_MS,LOSS,MBIT[,JITTER_MS]",
+        help="run only these links (e.g. 30,0.001,1000 or 30,0.001,1000,5); repeatable",
+    )
+    parser.add_argument("--no-loopback", action="store_true", help="skip the loopback part")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="emulated links: pddnet only (no iperf3/TCP)"
+    )
+    parser.add_argument(
+        "--priority-all", action="store_true", help="run the priority scenario on every link"
     )
     parser.add_argument("--pacer", default="adaptive", help="pddnet pacer (adaptive, fixed)")
     parser.add_argument(
@@ -133,7 +140,20 @@ def loopback(args: argparse.Namespace, bar: Progress) -> list[dict[str, Any]]:
 
 
 def _link_name(link: dict[str, float]) -> str:
-    return f"{link['rtt_ms']:g}ms/{link['loss'] * 100:g}%/{link['rate_mbit']:g}M"
+    name = f"{link['rtt_ms']:g}ms/{link['loss'] * 100:g}%/{link['rate_mbit']:g}M"
+    if link.get("jitter_ms"):
+        name += f"/j{link['jitter_ms']:g}ms"
+    return name
+
+
+def _parse_link(text: str) -> dict[str, float]:
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--link wants RTT_MS,LOSS,MBIT[,JITTER_MS], got {text!r}")
+    link = {"rtt_ms": parts[0], "loss": parts[1], "rate_mbit": parts[2], "mtu": 9000}
+    if len(parts) == 4:
+        link["jitter_ms"] = parts[3]
+    return link
 
 
 def _iperf3(wan: Any, n: int, seconds: float, cc: str) -> dict[str, Any]:
@@ -191,6 +211,7 @@ def emulated(
         f"{link['rtt_ms']}ms",
         rate=f"{link['rate_mbit']:g}mbit",
         loss=link["loss"],
+        jitter=f"{link.get('jitter_ms', 0.0)}ms",
         mtu=int(link["mtu"]),
     ) as wan:
         # Persistent streams sit idle between transfers: keep their congestion
@@ -203,8 +224,9 @@ def emulated(
             _server(wan.md.spawn, _peer_argv("raw-rx", raw_port, str(nbytes))),
             _server(wan.md.spawn, _peer_argv("pdd-rx", pdd_port)),
         ):
-            ip = _iperf3(wan, n, args.seconds, args.cc)
-            rows.append(_row(f"iperf3 -P {n}", name, int(ip["bytes"]), [ip]))
+            if not args.no_baselines:
+                ip = _iperf3(wan, n, args.seconds, args.cc)
+                rows.append(_row(f"iperf3 -P {n}", name, int(ip["bytes"]), [ip]))
             bar.advance(note=f"{name} iperf3")
             res = wan.p.call(
                 peer.pdd_send,
@@ -223,16 +245,17 @@ def emulated(
             row["pacing"] = res["runs"][0]["pacing"]
             rows.append(row)
             bar.advance(note=f"{name} pddnet")
-            single = wan.p.call(
-                peer.raw_send,
-                md,
-                raw_port,
-                nbytes // 2,
-                1,
-                args.cc,
-                timeout=args.seconds * 40 + 60,
-            )
-            rows.append(_row("plain TCP x1", name, nbytes // 2, [single]))
+            if not args.no_baselines:
+                single = wan.p.call(
+                    peer.raw_send,
+                    md,
+                    raw_port,
+                    nbytes // 2,
+                    1,
+                    args.cc,
+                    timeout=args.seconds * 40 + 60,
+                )
+                rows.append(_row("plain TCP x1", name, nbytes // 2, [single]))
             bar.advance(note=f"{name} single")
             if priority:
                 prio = {"link": name, "rtt_s": link["rtt_ms"] / 1e3}
@@ -303,10 +326,7 @@ def main(args: argparse.Namespace) -> int:
         if why:
             print(f"emulated WAN unavailable ({why}); loopback only", file=sys.stderr)
         elif args.link:
-            links = [
-                {"rtt_ms": float(a), "loss": float(b), "rate_mbit": float(c), "mtu": 9000}
-                for a, b, c in (x.split(",") for x in args.link)
-            ]
+            links = [_parse_link(x) for x in args.link]
         elif args.quick:
             links = [dict(K_QUICK_LINK)]
         else:
@@ -320,24 +340,29 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     prio = None
     with Progress(steps, "bench wan") as bar:
-        rows += loopback(args, bar)
+        if not args.no_loopback:
+            rows += loopback(args, bar)
+        prios: list[dict[str, Any]] = []
         for link in links:
-            is_quick_link = link == K_QUICK_LINK or (
-                link["rtt_ms"] == 30 and link["loss"] == 0.001 and link["rate_mbit"] == 1000
-            )
-            r, p = emulated(args, link, bar, priority=is_quick_link)
+            is_quick_link = link == K_QUICK_LINK
+            r, p = emulated(args, link, bar, priority=is_quick_link or args.priority_all)
             rows += r
-            prio = p or prio
+            if p:
+                prios.append(p)
+                if is_quick_link or prio is None:
+                    prio = p
     print_table(rows, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
     summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
     lb = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == "loopback"}
-    summary["loopback_ratio_vs_raw_tcp"] = lb["pddnet"] / lb["plain"]
+    if lb:
+        summary["loopback_ratio_vs_raw_tcp"] = lb["pddnet"] / lb["plain"]
     quick = _link_name(K_QUICK_LINK)
     q = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == quick}
     if q:
         summary["link_utilization"] = q["pddnet"] / (K_QUICK_LINK["rate_mbit"] / 1e3)
-        summary["ratio_vs_iperf3"] = q["pddnet"] / q["iperf3"]
-        summary["ratio_vs_single_tcp"] = q["pddnet"] / q["plain"]
+        if "iperf3" in q:
+            summary["ratio_vs_iperf3"] = q["pddnet"] / q["iperf3"]
+            summary["ratio_vs_single_tcp"] = q["pddnet"] / q["plain"]
     if prio:
         rtt = prio["rtt_s"]
         summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt
@@ -354,7 +379,14 @@ def main(args: argparse.Namespace) -> int:
             title=f"\n256 KiB completion (ms) during bulk on {prio['link']}",
         )
     print("\nsummary:", json.dumps(summary, indent=1))
-    write_report(args.json, summary, rows=rows, priority=prio)
+    for p in prios:
+        if p is not prio:
+            print(
+                f"256 KiB during bulk on {p['link']}: p50 {p['priority']['p50'] * 1e3:.0f} ms, "
+                f"p99 {p['priority']['p99'] * 1e3:.0f} ms ({p['priority']['p99'] / p['rtt_s']:.1f}"
+                f" RTT), bulk {p['priority']['bulk_goodput_gbps']:.3f} Gbit/s"
+            )
+    write_report(args.json, summary, rows=rows, priority=prio, priorities=prios)
     if getattr(args, "png", None):
         _plot(args.png, rows, prio)
     return 0

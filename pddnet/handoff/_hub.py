@@ -26,6 +26,8 @@ __all__ = ["ControlLink", "HandoffHub"]
 
 log = logging.getLogger("pddnet.handoff")
 
+K_MAX_EARLY = 64  # messages held per request before its driver exists
+
 
 class ControlLink:
     """A driver's :class:`~pddnet.handoff.Link` over a control node.
@@ -82,17 +84,26 @@ class HandoffHub:
     def __init__(self, node: ControlNode) -> None:
         self.node = node
         self._drivers: dict[int, HandoffDriver] = {}
+        self._early: dict[int, list[Message]] = {}
         self.unrouted = 0
         for cls in (TokenBatch, HandoffAck, KvReady, HandoffAbort):
             node.route(cls, self._on_message)
 
+    def expect(self, request_id: int) -> None:
+        """Hold messages for ``request_id`` until its driver is attached (the
+        peer may speak first: MD's ``KvReady`` can beat RLD's own KV landing)."""
+        self._early.setdefault(request_id, [])
+
     def attach(self, driver: HandoffDriver) -> None:
-        """Deliver messages for ``driver.request_id`` to ``driver``."""
+        """Deliver messages for ``driver.request_id`` to ``driver``, held ones first."""
         self._drivers[driver.request_id] = driver
+        for msg in self._early.pop(driver.request_id, []):
+            driver.deliver(msg)
 
     def detach(self, request_id: int) -> None:
         """Stop delivering messages for ``request_id`` (late ones are dropped)."""
         self._drivers.pop(request_id, None)
+        self._early.pop(request_id, None)
 
     async def watch(
         self,
@@ -132,6 +143,9 @@ class HandoffHub:
     def _on_message(self, peer: str, msg: Message) -> None:
         rid = request_id_of(msg)
         driver = self._drivers.get(rid) if rid is not None else None
+        if driver is None and rid in self._early and len(self._early[rid]) < K_MAX_EARLY:
+            self._early[rid].append(msg)
+            return
         if driver is None:
             self.unrouted += 1
             log.debug("%s: no driver for request %s (%s)", self.node.name, rid, type(msg).__name__)

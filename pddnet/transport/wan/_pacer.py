@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import statistics
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -194,6 +195,10 @@ class AdaptivePacer(Pacer):
         self._calm = 0
         self._decision = PacingDecision(self._per_stream(self.target), max_streams)
         self.trouble = ""  # last reason for a cut, for statistics
+        # (now, target, median srtt, base rtt, delivered, event) per decision, for benchmarks
+        self.history: deque[tuple[float, float | None, float, float, float, str]] = deque(
+            maxlen=1000
+        )
 
     def _per_stream(self, total: float | None) -> float | None:
         return None if total is None else total / self.max_streams
@@ -257,6 +262,8 @@ class AdaptivePacer(Pacer):
                     self.target = None if grown > 4 * max(delivered, self.floor) else grown
         if self.rate_cap is not None:
             self.target = min(self.target or self.rate_cap, self.rate_cap)
+        event = ("storm" if storm else "queue") if (queueing or storm) else ""
+        self.history.append((now, self.target, srtt, base, delivered, event))
         active = self.max_streams
         if self.target is not None:
             active = max(1, min(self.max_streams, int(self.target // self.min_stream_rate)))
