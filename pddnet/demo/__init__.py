@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,55 +88,56 @@ def _config(args: argparse.Namespace, out: str) -> dict[str, Any]:
     }
 
 
-def _run(args: argparse.Namespace, cfg: dict[str, Any], log: list[str]) -> str:
+_ROLES = ("prefill", "relay", "main")
+
+
+def _spawn_roles(
+    cfg: dict[str, Any],
+    addrs: dict[str, str],
+    ports: dict[str, int],
+    spawners: dict[str, Callable[..., subprocess.Popen[str]]],
+) -> list[subprocess.Popen[str]]:
+    """Start the three role processes (P first: it hosts the rendezvous)."""
     env = {**os.environ, "PDDNET_SECRET": secrets.token_hex(32)}
-    cmd = [sys.executable, "-m", "pddnet.demo._roles"]
+    procs = []
+    for role in _ROLES:
+        rcfg = {
+            **cfg,
+            "control": f"tcp://{addrs[role]}:{ports[role]}",
+            "data_host": addrs[role],
+            "rendezvous": f"tcp://{addrs['prefill']}:{ports['prefill']}",
+        }
+        argv = [sys.executable, "-m", "pddnet.demo._roles", role, json.dumps(rcfg)]
+        procs.append(
+            spawners[role](
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+def _run(args: argparse.Namespace, cfg: dict[str, Any], log: list[str]) -> str:
     reason = "--loopback was given" if args.loopback else unavailable_reason()
     if reason is None:
         with emulated_wan(args.rtt, rate=args.rate, loss=args.loss, mtu=1500) as wan:
-            addrs = {"prefill": wan.p, "relay": wan.rld, "main": wan.md}
-            procs = []
-            for role, host in addrs.items():
-                port = {"prefill": 5550, "relay": 5551, "main": 5552}[role]
-                rcfg = {
-                    **cfg,
-                    "control": f"tcp://{host.addr}:{port}",
-                    "data_host": host.addr,
-                    "rendezvous": f"tcp://{wan.p.addr}:5550",
-                }
-                procs.append(
-                    host.spawn(
-                        [*cmd, role, json.dumps(rcfg)],
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
-                )
+            hosts = {"prefill": wan.p, "relay": wan.rld, "main": wan.md}
+            # each role runs in its host's namespace; the testbed kills them on teardown
+            procs = _spawn_roles(
+                cfg,
+                {r: h.addr for r, h in hosts.items()},
+                dict(zip(_ROLES, (5550, 5551, 5552), strict=True)),
+                {r: h.spawn for r, h in hosts.items()},
+            )
             _follow(procs, log)
         return f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {args.rate}, loss {args.loss}"
     print(
         f"pddnet demo: no emulated WAN here ({reason}); running on loopback, where the WAN"
         " is not shaped and RLD has nothing to mask."
     )
-    ports = {r: _free_port() for r in ("prefill", "relay", "main")}
-    procs = []
-    for role in ("prefill", "relay", "main"):
-        rcfg = {
-            **cfg,
-            "control": f"tcp://127.0.0.1:{ports[role]}",
-            "data_host": "127.0.0.1",
-            "rendezvous": f"tcp://127.0.0.1:{ports['prefill']}",
-        }
-        procs.append(
-            subprocess.Popen(
-                [*cmd, role, json.dumps(rcfg)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    addrs = dict.fromkeys(_ROLES, "127.0.0.1")
+    procs = _spawn_roles(
+        cfg, addrs, {r: _free_port() for r in _ROLES}, dict.fromkeys(_ROLES, subprocess.Popen)
+    )
     try:
         _follow(procs, log)
     finally:
