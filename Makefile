@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := ucx,test,bench
 
-.PHONY: venv test lint typecheck unit demo clean
+.PHONY: venv test lint typecheck unit demo fuzz clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,12 @@ test: lint typecheck unit
 
 demo: venv
 	$(BIN)/pddnet demo
+
+# Longer coverage-guided fuzzing of every decoder (not part of `make test`).
+fuzz: venv
+	$(BIN)/pip install -q atheris
+	for t in chunk_header control_frame tokens endpoint_blob link_frame auth_frame; do \
+	  $(BIN)/python tests/fuzz_atheris.py $$t -max_total_time=$${FUZZ_SECONDS:-120} || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

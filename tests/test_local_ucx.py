@@ -212,7 +212,194 @@ def test_control_codec_and_addresses() -> None:
     assert _unpack(buf) == (_Ctl.CANCEL, 0xDEADBEEF, 42, 2, b"x")
     with pytest.raises(RemoteProtocolError):
         _unpack(b"\xff\xff\xff\x7f" + b"\0" * 8)
-    with pytest.raises(RemoteProtocolError):
-        _unpack(b"\x03\0\0\0\x93\x01\x02" + b"\0" * 8)
+    with pytest.raises(RemoteProtocolError):  # shorter than the fixed header
+        _unpack(b"\x03\0\0\0\x03\x01\x02" + b"\0" * 8)
+    with pytest.raises(RemoteProtocolError):  # unknown kind
+        _unpack(b"\x0a\0\0\0\x63" + b"\0" * 20)
+    with pytest.raises(RemoteProtocolError):  # a length past the buffer
+        _unpack(b"\x20\0\0\0\x03" + b"\0" * 20)
     with pytest.raises(LocalProtocolError):
         UcxSender("tcp://127.0.0.1:5")
+
+
+def test_tls_across_network_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared memory is dropped (cma added) only for a receiver in another netns."""
+    from pddnet.transport.local import _transport as tr
+
+    monkeypatch.setattr(tr, "_netns_id", lambda: "111")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert tr._tls_for_peer(None, "111") is None  # same namespace: untouched
+    assert tr._tls_for_peer(None, "") is None  # unknown: untouched
+    assert tr._tls_for_peer(None, "222") == "tcp,self,cma"
+    assert tr._tls_for_peer("rc,posix,sysv,self", "222") == "rc,self,cma"
+    assert tr._tls_for_peer("tcp,self", "222") == "tcp,self"
+    monkeypatch.setenv("UCX_TLS", "tcp,sm,cma,self")
+    assert tr._tls_for_peer(None, "222") == "tcp,cma,self"
+    assert tr._parse_address("ucx:222:" + tr._b64(b"abc")) == ("222", b"abc")
+    assert tr._parse_address("ucx:" + tr._b64(b"abc")) == ("", b"abc")
+    with pytest.raises(LocalProtocolError):
+        tr._parse_address("ucx:1:abcde")  # bad padding
+
+
+MANY_PIECES = """
+import os, sys, trio, numpy as np
+from pddnet.kv import ByteRanges
+from pddnet.transport.local import UcxReceiver, UcxSender
+from pddnet.transport.local import _transport
+
+N = 1000  # > K_INLINE_BURST: the sender's pump yields to trio and resumes
+
+async def main():
+    src = np.random.default_rng(7).integers(0, 256, 128 * N, dtype=np.uint8)
+    dst = np.zeros(2 * 128 * N, np.uint8)
+    offs = np.arange(N) * 128
+    sr = ByteRanges.build([0] * N, offs, [128] * N, [0] * N)
+    dr = ByteRanges.build([0] * N, 2 * offs, [128] * N, [0] * N)  # gaps: N pieces
+    async with UcxReceiver() as rx, UcxSender(rx.address) as tx:
+        g = rx.grant([dst], dr, timeout=30)
+        with trio.fail_after(30):
+            await tx.send(g, [src], sr)
+            await rx.wait_transfer(g.transfer_id)
+        st = tx.statistics()
+        print("INLINE", tx._worker.inline_sends, "PIECES", st.pieces_sent, st.bytes_sent)
+    got = dst.reshape(N, 256)[:, :128].reshape(-1)
+    assert np.array_equal(got, src), "data differs"
+    assert not dst.reshape(N, 256)[:, 128:].any(), "wrote into a gap"
+    print("OK", _transport.K_INLINE_BURST < N, flush=True)
+
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.ucx
+@ucx
+def test_many_small_pieces() -> None:
+    """1000 separate pieces: every byte lands, gaps stay untouched, all pieces counted."""
+    r = run_child(MANY_PIECES)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK True" in r.stdout, r.stdout
+    assert f"PIECES 1000 {128 * 1000}" in r.stdout, r.stdout
+
+
+MANY_TRANSFERS = """
+import os, sys, trio, numpy as np
+from pddnet.kv import ByteRanges
+from pddnet.transport.local import UcxReceiver, UcxSender
+
+N = 200
+
+async def main():
+    src = np.random.default_rng(3).integers(0, 256, 64 * N, dtype=np.uint8)
+    dst = np.zeros(64 * N, np.uint8)
+    one = ByteRanges.build([0], [0], [64], [0])
+    async with UcxReceiver() as rx, UcxSender(rx.address) as tx:
+        grants = [rx.grant([dst[64 * i : 64 * (i + 1)]], one) for i in range(N)]
+        ts = [tx.start(g, [src[64 * i : 64 * (i + 1)]], one) for i, g in enumerate(grants)]
+        with trio.fail_after(30):
+            for t in ts:
+                await t.wait()
+        st = rx.statistics()
+        print("DONE_MESSAGES", st.done_messages, "OK", st.transfers_done, flush=True)
+    assert np.array_equal(dst, src), "data differs"
+    print("EQUAL", flush=True)
+
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.ucx
+@ucx
+def test_done_messages_are_batched() -> None:
+    """200 transfers started at once: all complete, with fewer DONE messages than transfers."""
+    r = run_child(MANY_TRANSFERS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "EQUAL" in r.stdout, r.stdout
+    words = r.stdout.split()
+    dones = int(words[words.index("DONE_MESSAGES") + 1])
+    assert int(words[words.index("OK") + 1]) == 200, r.stdout
+    assert 1 <= dones < 200, r.stdout
+
+
+NS_RX = """
+import json, os, sys, trio, numpy as np
+from pddnet.kv import ByteRanges
+from pddnet.transport.local import UcxReceiver
+
+async def main():
+    async with UcxReceiver() as rx:
+        buf = np.zeros(1 << 20, np.uint8)
+        g = rx.grant([buf], ByteRanges.build([0, 0], [0, 4096], [4096, (1 << 20) - 4096], [0, 0]),
+                     timeout=20)
+        print(json.dumps([g.transfer_id, g.total, g.address]), flush=True)
+        await rx.wait_transfer(g.transfer_id)
+        expect = (np.arange(1 << 20) % 251).astype(np.uint8)
+        print("RX", np.array_equal(buf, expect), flush=True)
+
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+NS_TX = """
+import json, os, sys, trio, numpy as np
+from pddnet.kv import ByteRanges
+from pddnet.transport import Grant
+from pddnet.transport.local import UcxSender
+
+async def main():
+    tid, total, addr = json.loads(sys.argv[1])
+    src = (np.arange(1 << 20) % 251).astype(np.uint8)
+    ranges = ByteRanges.build([0, 0], [0, 4096], [4096, (1 << 20) - 4096], [0, 0])
+    async with UcxSender(addr) as tx:
+        await tx.send(Grant(tid, total, (), addr), [src], ranges, timeout=20)
+        print("TX OK", flush=True)
+
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.ucx
+@ucx
+def test_between_network_namespaces(wan_link) -> None:  # type: ignore[no-untyped-def]
+    """P and RLD in their own namespaces, default UCX_TLS (with sm): the transfer arrives.
+
+    Shared memory never delivers across namespaces; the sender must leave it out.
+    """
+    wan = wan_link(rtt="10ms")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**ENV, "UCX_TLS": "tcp,sm,self", "PYTHONPATH": root}
+    rx = wan.rld.spawn(
+        [sys.executable, "-c", NS_RX],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert rx.stdout is not None
+    grant = rx.stdout.readline().strip()
+    assert grant, rx.communicate(timeout=30)[1][-3000:]
+    tx = wan.p.spawn(
+        [sys.executable, "-c", NS_TX, grant],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    tout, terr = tx.communicate(timeout=60)
+    rout, rerr = rx.communicate(timeout=60)
+    assert "TX OK" in tout, terr[-3000:]
+    assert "RX True" in rout, rerr[-3000:]

@@ -343,3 +343,96 @@ def test_scheduler_express_lane_carries_only_urgent_transfers() -> None:
     fifo.add_transfer(1, 10, priority=1)
     fifo.mark_ready(1, 0, 10)
     assert fifo.next_chunk(1, 0.0) is None  # FIFO has no express lane
+
+
+def _jittered_link(p: Pacer, seconds: float, *, seed: int = 7, loss_at: float = -1.0) -> float:
+    """Closed-loop synthetic trace of 8 BBR-like streams on a 30 ms, 5 ms-jitter,
+    1 Gbit/s path; returns the mean aggregate delivery rate of the last 3 s.
+
+    What the pacer sees, as measured on the emulated link: the smoothed RTT of
+    a sending stream is 30 ms plus the jitter it carries (about 8 ms, wobbling),
+    ``min_rtt`` is the luckiest packet (17 ms), a starting stream delivers less
+    than the path for the first 0.6 s, and a switched-off stream's RTT stays
+    frozen at its last value (57 ms, from the startup burst). There is never a
+    self-inflicted queue: the pacer should end near the link rate.
+    """
+    rng = np.random.default_rng(seed)
+    n, period = 8, 0.1
+    sent = [0] * n
+    retr = [0] * n
+    frozen = [0.057] * n
+    pace: float | None = None
+    active = n
+    tail: list[float] = []
+    steps = int(seconds / period)
+    for k in range(steps):
+        now = k * period
+        ramp = min(1.0, 0.05 + now / 0.6)
+        total = 0.0
+        for i in range(n):
+            if i >= active:  # switched off: nothing sent, TCP_INFO frozen
+                p.on_sample(TcpSample(i, frozen[i], 0.017, 0.0, sent[i], retr[i]), now)
+                continue
+            share = RATE / active * ramp
+            rate = min(share, pace if pace is not None else np.inf) * rng.uniform(0.9, 1.0)
+            total += rate
+            sent[i] += int(rate * period)
+            retr[i] += int(rate * period * 0.001)
+            if abs(now - loss_at) < period / 2 and i == 0:  # one burst loss + RTO
+                retr[i] += int(RATE * period * 0.5)
+            rtt = 0.038 + rng.normal(0.0, 0.002) + (0.019 if now < 0.3 else 0.0)
+            frozen[i] = rtt
+            p.on_sample(TcpSample(i, rtt, 0.017, rate, sent[i], retr[i]), now)
+        d = p.decide(now)
+        pace, active = d.rate_per_stream, d.active_streams
+        if now >= seconds - 3.0:
+            tail.append(total)
+    return float(np.mean(tail))
+
+
+@pytest.mark.parametrize("loss_at", [-1.0, 5.0])
+def test_adaptive_pacer_recovers_on_a_jittered_path(loss_at: float) -> None:
+    # Before the fix the pacer read jitter as queueing against min_rtt, cut to
+    # the rate of the still-starting streams, switched most streams off and
+    # then kept "seeing" a queue in their frozen RTTs: it ended at ~2 MB/s.
+    p = AdaptivePacer(max_streams=8)
+    assert _jittered_link(p, 20.0, loss_at=loss_at) >= 0.85 * RATE
+
+
+def test_adaptive_pacer_still_drains_a_queue_after_jitter_rebase() -> None:
+    # the stuck-queue rebase must not blind it: a real queue that drains when
+    # paced is still cut, and the target ends below the delivered rate
+    p = AdaptivePacer(max_streams=4)
+    _trace(p, [0.030] * 10 + [0.080] * 4)
+    assert p.target is not None and p.target < RATE
+
+
+def test_adaptive_pacer_leaves_a_queue_it_cannot_drain() -> None:
+    # Cross traffic takes 70 % of the path for 3 s and leaves a standing queue
+    # (RTT 30 -> 80 ms) that pacing cannot drain. The pacer cuts, then, paced
+    # far below the path with the RTT still high, rebases its RTT floor and
+    # grows back once the path frees up. Without the rebase it stayed at
+    # 0.95 x the squeezed rate until the high RTTs filled its 10 s window.
+    p = AdaptivePacer(max_streams=4)
+    sent = [0] * 4
+    agg = RATE
+    for k in range(95):
+        now = 0.1 * k
+        rtt = 0.030 if now < 2.0 else 0.080
+        avail = 0.3 * RATE if 2.0 <= now < 5.0 else RATE
+        for i in range(4):
+            rate = min(agg, avail) / 4
+            sent[i] += int(rate * 0.1)
+            p.on_sample(TcpSample(i, rtt, 0.030, rate, sent[i], 0), now)
+        d = p.decide(now)
+        agg = _aggregate(d)
+        if now == pytest.approx(4.9):
+            assert p.target is not None and p.target < 0.5 * RATE  # it did cut
+    assert p.target is None or p.target >= 0.9 * RATE
+
+
+def test_default_stream_count_follows_congestion_control() -> None:
+    from pddnet.transport.wan import default_streams
+
+    assert default_streams("bbr") == 8
+    assert default_streams("cubic") == default_streams(None) == 16

@@ -302,3 +302,18 @@ async def test_peer_death_is_a_typed_error_within_bound() -> None:
         await rx.aclose()  # the peer dies with the transfer pending
         with trio.fail_after(5), pytest.raises(PeerUnavailable):
             await t.wait()
+
+
+async def test_urgent_pacing_caps_bulk_only_while_urgent_transfers_run() -> None:
+    tx = WanSender("127.0.0.1:9", streams=4, congestion=None)
+    tx._delivered.extend([(0.0, 100e6), (0.1, 80e6)])  # aggregate delivery samples
+    assert tx._bulk_rate() is None  # bulk alone: the pacer's decision (unpaced)
+    tx._sched.add_transfer(1, 100, priority=1)
+    assert tx._bulk_rate() == pytest.approx(0.9 * 100e6 / 4)  # 0.9 x the peak, per stream
+    tx._sched.cancel(1)
+    tx._sched.events()
+    assert tx._bulk_rate() is None
+    off = WanSender("127.0.0.1:9", streams=4, congestion=None, urgent_pacing=None)
+    off._delivered.append((0.0, 100e6))
+    off._sched.add_transfer(1, 100, priority=1)
+    assert off._bulk_rate() is None

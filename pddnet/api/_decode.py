@@ -72,6 +72,7 @@ class DecodeStatistics:
     finished: int
     failed: int
     tokens_emitted: int
+    sink_failures: int
     blocks_received: int
     blocks_cached_hit: int
     free_blocks: int
@@ -127,6 +128,7 @@ class _DecodeEndpoint:
         self.lease_s = lease_s
         self.step_time_s = step_time_s
         self.watch_interval_s = watch_interval_s
+        self.sink_timeout_s = 2.0
         self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
         self.engine_id = engine_id or name
         self.rank = rank
@@ -381,11 +383,19 @@ class _DecodeEndpoint:
 
     async def emit(self, request_id: int, position: int, token: int) -> None:
         req = self._reqs[request_id]
+        msg = Emitted(request_id, position, token, self.name, position == req.finish_pos)
+        try:
+            await self.node.send(req.sink, msg, timeout=self.sink_timeout_s)
+        except PddnetError as exc:
+            # Nobody can read the stream any more: stop the request (its blocks
+            # are freed by the driver's normal exit) instead of dying here.
+            self._stats["sink_failures"] += 1
+            log.warning("%s: sink %s unreachable for %s: %s", self.name, req.sink, request_id, exc)
+            if req.driver is not None:
+                req.driver.cancel()
+            return
         req.emitted += 1
         self._stats["tokens_emitted"] += 1
-        await self.node.send(
-            req.sink, Emitted(request_id, position, token, self.name, position == req.finish_pos)
-        )
 
     async def free_blocks(self, request_id: int) -> None:
         req = self._reqs.get(request_id)

@@ -205,6 +205,7 @@ def pdd_send(
     algo: int = 2,
     pacer: str = "adaptive",
     pacer_options: dict[str, Any] | None = None,
+    urgent_pacing: float | None = None,
 ) -> dict[str, Any]:
     """Send ``nbytes`` with pddnet (``repeat`` times); optionally ``small`` high-priority
     256 KiB transfers during the bulk one. Returns the measurements."""
@@ -213,6 +214,7 @@ def pdd_send(
     from ..kv import ByteRanges
     from ..transport import Grant
     from ..transport.wan import WanSender
+    from ..transport.wan._sender import K_DEFAULT_URGENT_PACING as K_URGENT_PACING
     from ..wire import ChecksumAlgo
 
     gc = _GrantClient(host, port)
@@ -232,6 +234,7 @@ def pdd_send(
             algo=ChecksumAlgo(algo),
             pacer=pacer,
             pacer_options=pacer_options,
+            urgent_pacing=K_URGENT_PACING if urgent_pacing is None else (urgent_pacing or None),
         ) as tx:
             with trio.fail_after(10):
                 await tx.wait_connected()

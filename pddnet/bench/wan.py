@@ -39,7 +39,12 @@ K_QUICK_LINK = {"rtt_ms": 30.0, "loss": 0.001, "rate_mbit": 1000.0, "mtu": 9000}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--streams", type=int, default=8, help="N for pddnet and iperf3 -P")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        help="N for pddnet and iperf3 -P (default: pddnet's for --cc: 8 bbr, 16 cubic)",
+    )
     parser.add_argument("--cc", default="bbr", help="congestion control for every sender")
     parser.add_argument("--chunk", type=int, default=1 << 20, help="pddnet chunk size, bytes")
     parser.add_argument("--seconds", type=float, default=4.0, help="target seconds per run")
@@ -60,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--priority-all", action="store_true", help="run the priority scenario on every link"
     )
+    parser.add_argument(
+        "--urgent-pacing",
+        type=float,
+        default=None,
+        help="pace bulk to this fraction of the peak rate while urgent transfers run "
+        "(default: the sender's, 0.9; 0: off)",
+    )
+    parser.add_argument("--no-fifo", action="store_true", help="priority scenario: skip FIFO")
     parser.add_argument("--pacer", default="adaptive", help="pddnet pacer (adaptive, fixed)")
     parser.add_argument(
         "--pacer-opt",
@@ -261,7 +274,7 @@ def emulated(
                 prio = {"link": name, "rtt_s": link["rtt_ms"] / 1e3}
                 bulk = int(rate / 8 * max(args.seconds * 0.6, 2.0))
                 interval = 0.1
-                for policy in ("priority", "fifo"):
+                for policy in ("priority",) if args.no_fifo else ("priority", "fifo"):
                     r = wan.p.call(
                         peer.pdd_send,
                         md,
@@ -275,6 +288,7 @@ def emulated(
                         small_interval=interval,
                         pacer=args.pacer,
                         pacer_options=_popts(args),
+                        urgent_pacing=args.urgent_pacing,
                         small_delay=0.3,
                         timeout=args.seconds * 20 + 60,
                     )
@@ -306,6 +320,8 @@ def _plot(path: str, rows: list[dict[str, Any]], prio: dict[str, Any] | None) ->
     axes[0].set_title("goodput per link (RTT/loss/rate)")
     if prio:
         for policy in ("priority", "fifo"):
+            if policy not in prio:
+                continue
             xs = np.sort(np.asarray(prio[policy]["small_s"]) * 1e3)
             axes[1].step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=policy)
         axes[1].set_xscale("log")
@@ -318,6 +334,10 @@ def _plot(path: str, rows: list[dict[str, Any]], prio: dict[str, Any] | None) ->
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.streams is None:
+        from ..transport.wan import default_streams
+
+        args.streams = default_streams(args.cc)
     links: list[dict[str, float]] = []
     if not args.no_emu:
         from ..emu import unavailable_reason
@@ -366,7 +386,8 @@ def main(args: argparse.Namespace) -> int:
     if prio:
         rtt = prio["rtt_s"]
         summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt
-        summary["small_p99_rtts_fifo"] = prio["fifo"]["p99"] / rtt
+        if "fifo" in prio:
+            summary["small_p99_rtts_fifo"] = prio["fifo"]["p99"] / rtt
         print_table(
             [
                 {
@@ -375,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
                     "bulk_gbps": prio[p]["bulk_goodput_gbps"],
                 }
                 for p in ("priority", "fifo")
+                if p in prio
             ],
             title=f"\n256 KiB completion (ms) during bulk on {prio['link']}",
         )

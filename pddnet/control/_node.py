@@ -75,6 +75,7 @@ K_DEFAULT_TIMEOUT = 5.0
 K_INBOX_SIZE = 1024
 K_HWM = 10_000
 K_WRITE_RECHECK_S = 0.02
+K_HEARTBEAT_MS = 1000  # zmq-level pings; a silent connection dies after 3 s
 # Plain ints: zmq's flag enums cost microseconds per operation on this hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -181,7 +182,10 @@ class ControlNode:
     async def __aenter__(self) -> ControlNode:
         sock = self._socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a connection claiming a name already connected is
+        # ignored, so a stranger cannot take over a peer's route (zmq identities
+        # are not authenticated; frames are). A restarted peer gets its name
+        # back once heartbeats declare the old connection dead.
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
@@ -232,6 +236,8 @@ class ControlNode:
         sock.setsockopt(zmq.SNDHWM, K_HWM)
         sock.setsockopt(zmq.RCVHWM, K_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + 1024)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, K_HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * K_HEARTBEAT_MS)
         return sock
 
     # --------------------------------------------------------------- public
@@ -366,17 +372,21 @@ class ControlNode:
             pump, prefix = self._path(peer)
         else:
             pump, prefix = via, ([peer.encode()] if via.peer is None else [])
-        frame = encode_frame(
-            msg,
-            key=self._key,
-            src=self.name,
-            dst=peer,
-            seq=self._clock.next(),
-            corr=corr,
-            kind=kind,
-            limits=self.limits,
-        )
         while True:
+            # The sequence number is taken at the moment the frame is handed to
+            # zmq: a frame that waited on a full or unconnected socket must not
+            # carry an older number than one sent meanwhile, or the peer's
+            # replay guard would drop it.
+            frame = encode_frame(
+                msg,
+                key=self._key,
+                src=self.name,
+                dst=peer,
+                seq=self._clock.next(),
+                corr=corr,
+                kind=kind,
+                limits=self.limits,
+            )
             try:
                 pump.sock.send_multipart([*prefix, frame], flags=_NOBLOCK)
                 break

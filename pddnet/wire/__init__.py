@@ -4,6 +4,18 @@ All decoders are sans-IO and raise :class:`~pddnet.RemoteProtocolError` (or
 :class:`~pddnet.AuthError` for authentication) on any bad input.
 """
 
+from ._auth import (
+    K_AUTH_FRAME_SIZE,
+    K_AUTH_MAGIC,
+    K_AUTH_MAX_CONTEXT,
+    K_AUTH_NONCE_SIZE,
+    AuthFrame,
+    AuthHandshake,
+    AuthKind,
+    AuthRole,
+    AuthState,
+    auth_context,
+)
 from ._chunk import (
     K_CHUNK_HEADER_SIZE,
     K_CHUNK_MAGIC,
@@ -32,6 +44,16 @@ from ._messages import ErrorReply, Hello, Ping, Pong
 from ._tokens import K_MAX_TOKEN_ID, decode_tokens, encode_tokens
 
 __all__ = [
+    "K_AUTH_FRAME_SIZE",
+    "K_AUTH_MAGIC",
+    "K_AUTH_MAX_CONTEXT",
+    "K_AUTH_NONCE_SIZE",
+    "AuthFrame",
+    "AuthHandshake",
+    "AuthKind",
+    "AuthRole",
+    "AuthState",
+    "auth_context",
     "K_CHUNK_HEADER_SIZE",
     "K_CHUNK_MAGIC",
     "K_CHUNK_VERSION",

@@ -15,11 +15,18 @@ Tags (64 bits)::
     0xC << 60                                  receiver's control inbox
     0xD << 60 | sender_id                      a sender's control inbox
 
-Control messages are ``u32 length || msgpack [kind, sender_id, transfer_id,
-code, blob]``: HELLO (sender -> receiver, blob = the sender's worker address),
-START (sent before any data of a transfer, so the receiver knows whom to
-tell), DONE (receiver: every piece landed), CANCEL (either way, with code
-cancelled / timeout / rejected).
+Control messages are a fixed little-endian header ``u32 length, u8 kind, u8
+code, u32 sender_id, u32 transfer_id`` and a blob (no msgpack on the hot
+path): HELLO (sender -> receiver, blob = the sender's worker address), START
+(so the receiver knows whom to tell; posted right before the transfer's first
+piece, so both arrive in one wake-up, or at ``start`` when nothing is ready
+yet), DONE (receiver: every piece landed; one per sender per round of
+completions, further transfer ids as u32s in the blob), CANCEL (either way,
+with code cancelled / timeout / rejected).
+
+A receiver's address is ``ucx:NETNS:B64``: its network namespace (inode) and
+its worker address. A sender in another namespace leaves out UCX's
+shared-memory transports, which never deliver across namespaces.
 
 A message longer than its posted receive fails with UCX's truncation error
 and the transfer is rejected; a message with a tag nobody posted stays in
@@ -34,6 +41,7 @@ import base64
 import enum
 import itertools
 import logging
+import os
 import secrets
 import struct
 from collections import deque
@@ -42,7 +50,6 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import trio
 
@@ -56,7 +63,8 @@ from ..._errors import (
 )
 from ...kv import ByteRanges
 from .._base import Grant, ProgressCallback, Receiver, Sender, Transfer, TransferState, views_of
-from ._worker import UcxWorker
+from .._intervals import IntervalSet
+from ._worker import K_DEFAULT_TLS, UcxWorker
 
 __all__ = [
     "UcxReceiver",
@@ -74,7 +82,11 @@ K_TAG_CTRL_TX = 0xD << 60
 K_CTRL_MAX = 1 << 16
 K_MAX_PIECES = 1 << 24
 K_ADDR_PREFIX = "ucx:"
+K_SHM_TLS = {"sm", "shm", "posix", "sysv", "mm"}  # break between network namespaces
 K_KEEP_FINISHED = 4096  # finished transfers remembered for late waiters
+K_LENS_CACHE = 1024  # decoded grant piece lists kept by a sender
+K_DONE_BATCH = (K_CTRL_MAX - 64) // 4  # transfer ids per DONE message
+K_INLINE_BURST = 256  # sends completed while posted before the pump yields to trio
 
 
 class _Ctl(enum.IntEnum):
@@ -94,21 +106,27 @@ def _data_tag(tid: int, piece: int) -> int:
     return K_TAG_DATA | (tid & 0xFFFFFFFF) << 24 | piece
 
 
+_HDR = struct.Struct("<IBBII")  # length (of the rest), kind, code, sender, transfer id
+
+
 def _pack(kind: _Ctl, sender: int, tid: int, code: int = 0, blob: bytes = b"") -> bytes:
-    body = msgpack.packb([int(kind), sender, tid, code, blob], use_bin_type=True)
-    return struct.pack("<I", len(body)) + body
+    return _HDR.pack(_HDR.size - 4 + len(blob), kind, code, sender, tid) + blob
 
 
 def _unpack(buf: Any) -> tuple[_Ctl, int, int, int, bytes]:
     mv = memoryview(buf)
-    (n,) = struct.unpack_from("<I", mv)
-    if n > K_CTRL_MAX - 4:
+    if mv.nbytes < _HDR.size:
+        raise RemoteProtocolError("truncated UCX control message")
+    n, kind, code, sender, tid = _HDR.unpack_from(mv)
+    if n > min(K_CTRL_MAX, mv.nbytes) - 4:
         raise RemoteProtocolError("oversized UCX control message")
+    if n < _HDR.size - 4:
+        raise RemoteProtocolError(f"UCX control message of {n} bytes is too short")
     try:
-        kind, sender, tid, code, blob = msgpack.unpackb(bytes(mv[4 : 4 + n]), raw=False)
-        return _Ctl(kind), int(sender), int(tid), int(code), bytes(blob)
-    except Exception as exc:
-        raise RemoteProtocolError(f"malformed UCX control message: {exc}") from exc
+        ctl = _Ctl(kind)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown UCX control message kind {kind}") from None
+    return ctl, sender, tid, code, bytes(mv[_HDR.size : 4 + n])
 
 
 def _flat_views(views: Sequence[Any]) -> list[Any]:
@@ -131,6 +149,47 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text.encode())
+
+
+def _netns_id() -> str:
+    """This process's network namespace (its inode), or "" if unknown."""
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return ""
+
+
+def _parse_address(address: str) -> tuple[str, bytes]:
+    """``ucx:[NETNS:]B64`` -> (the receiver's network namespace or "", its worker address)."""
+    body = address[len(K_ADDR_PREFIX) :]
+    netns, _, b64 = body.rpartition(":")
+    try:
+        return netns, _unb64(b64)
+    except ValueError as exc:
+        raise LocalProtocolError(f"malformed UCX address: {exc}") from exc
+
+
+def _tls_for_peer(tls: str | None, peer_netns: str) -> str | None:
+    """The transports to use towards a receiver in ``peer_netns``.
+
+    UCX's shared-memory transports (``sm`` = ``posix``/``sysv``) connect but
+    never deliver between network namespaces of one host (measured: every
+    transfer timed out; ``tcp`` and ``cma`` work). So when the receiver is in
+    another namespace they are replaced by ``cma`` (zero-copy rendezvous for
+    large messages; small ones go over ``tcp``).
+    """
+    mine = _netns_id()
+    if not peer_netns or not mine or peer_netns == mine:
+        return tls
+    current = tls or os.environ.get("UCX_TLS") or K_DEFAULT_TLS
+    names = [x for x in current.split(",") if x]
+    kept = [x for x in names if x not in K_SHM_TLS]
+    if kept == names:
+        return tls
+    if "cma" not in kept:
+        kept.append("cma")
+    log.info("UCX receiver in another network namespace: UCX_TLS %s -> %s", current, kept)
+    return ",".join(kept)
 
 
 def _error_for(code: int, tid: int, peer: str) -> PddnetError:
@@ -170,8 +229,11 @@ class _Service:
         await stack.aclose()
         self._worker.close()
 
-    def _recv_ctrl(self, tag: int) -> None:
-        buf = np.zeros(K_CTRL_MAX, np.uint8)
+    def _recv_ctrl(self, tag: int, buf: Any = None) -> None:
+        # One buffer per inbox, reused: a message is parsed (copied out) before
+        # the next receive is posted into it.
+        if buf is None:
+            buf = np.empty(K_CTRL_MAX, np.uint8)
 
         def done(req: Any, err: BaseException | None) -> None:
             if self._worker.closed or err is not None:
@@ -180,7 +242,7 @@ class _Service:
                 self._on_ctrl(*_unpack(buf))
             except PddnetError as exc:
                 log.warning("dropping a UCX control message: %s", exc)
-            self._recv_ctrl(tag)
+            self._recv_ctrl(tag, buf)
 
         self._worker.recv(buf, tag, done)
 
@@ -192,7 +254,7 @@ class _Service:
             if err is not None and not self._worker.closed:
                 log.debug("UCX control send failed: %s", err)
 
-        self._worker.send(ep, np.frombuffer(msg, np.uint8), tag, done, spin=True)
+        self._worker.send(ep, msg, tag, done, spin=True)
 
 
 # ====================================================================== receiver
@@ -243,6 +305,7 @@ class UcxReceiverStatistics:
     transfers_done: int
     transfers_failed: int
     epoll_waits: int
+    done_messages: int
 
 
 class UcxReceiver(_Service, Receiver):
@@ -266,11 +329,13 @@ class UcxReceiver(_Service, Receiver):
         self._finished: deque[int] = deque()
         self._peers: dict[int, Any] = {}
         self._tids = itertools.count(secrets.randbits(20))
+        self._done_out: dict[int, list[int]] = {}
+        self._done_msgs = 0
         self._bytes = self._posted = self._ok = self._failed = 0
 
     async def __aenter__(self) -> UcxReceiver:
         await self._open()
-        self.address = K_ADDR_PREFIX + _b64(self._worker.address)
+        self.address = f"{K_ADDR_PREFIX}{_netns_id()}:{_b64(self._worker.address)}"
         self._recv_ctrl(K_TAG_CTRL_RX)
         return self
 
@@ -382,6 +447,8 @@ class UcxReceiver(_Service, Receiver):
         if t.state is not TransferState.RUNNING:
             return
         t.state, t.error = state, error
+        if t.sender is not None:  # first: the sender's wake-up overlaps our bookkeeping
+            self._tell(t, code)
         for h in t.handles:
             self._worker.forget(h)  # cancels receives still posted
         t.handles = []
@@ -397,8 +464,6 @@ class UcxReceiver(_Service, Receiver):
             self._failed += 1
             for ev in t.layer_events:
                 ev.set()
-        if t.sender is not None:
-            self._tell(t, code)
         self._finished.append(t.tid)
         while len(self._finished) > K_KEEP_FINISHED:
             self._transfers.pop(self._finished.popleft(), None)
@@ -407,8 +472,24 @@ class UcxReceiver(_Service, Receiver):
         ep = self._peers.get(t.sender) if t.sender is not None else None
         if ep is None or t.sender is None:
             return
-        kind = _Ctl.DONE if code is None else _Ctl.CANCEL
-        self._send_ctrl(ep, K_TAG_CTRL_TX | t.sender, _pack(kind, t.sender, t.tid, code or 0))
+        if code is None:  # DONE: batched per sender until this round of completions ends
+            if not self._done_out:
+                self._worker.after_reap(self._flush_done)
+            self._done_out.setdefault(t.sender, []).append(t.tid)
+            return
+        self._send_ctrl(ep, K_TAG_CTRL_TX | t.sender, _pack(_Ctl.CANCEL, t.sender, t.tid, code))
+
+    def _flush_done(self) -> None:
+        """One DONE per sender: the first transfer id in the header, the rest as u32s."""
+        out, self._done_out = self._done_out, {}
+        for sender, tids in out.items():
+            ep = self._peers.get(sender)
+            for i in range(0, len(tids), K_DONE_BATCH):
+                part = tids[i : i + K_DONE_BATCH]
+                more = struct.pack(f"<{len(part) - 1}I", *part[1:])
+                msg = _pack(_Ctl.DONE, sender, part[0], 0, more)
+                self._send_ctrl(ep, K_TAG_CTRL_TX | sender, msg)
+                self._done_msgs += 1
 
     def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
         if kind is _Ctl.HELLO:
@@ -476,7 +557,13 @@ class UcxReceiver(_Service, Receiver):
     def statistics(self) -> UcxReceiverStatistics:
         running = sum(t.state is TransferState.RUNNING for t in self._transfers.values())
         return UcxReceiverStatistics(
-            self._bytes, self._posted, running, self._ok, self._failed, self._worker.epoll_waits
+            self._bytes,
+            self._posted,
+            running,
+            self._ok,
+            self._failed,
+            self._worker.epoll_waits,
+            self._done_msgs,
         )
 
 
@@ -507,9 +594,9 @@ class UcxTransfer(Transfer):
         self._done = trio.Event()
         self._ready: deque[int] = deque()
         self._queued = np.zeros(len(sources), bool)
-        self._from = __import__(
-            "pddnet.transport._intervals", fromlist=["IntervalSet"]
-        ).IntervalSet()
+        self._from = IntervalSet()
+        self._all_queued = False
+        self.started = False  # START sent
         self._inflight: dict[int, int] = {}  # handle -> bytes
         self.bytes_sent = 0
         self._reported = -1
@@ -528,7 +615,14 @@ class UcxTransfer(Transfer):
                 f"[{lo}, {hi}) is outside the grant [0, {self.grant.total})",
                 transfer_id=self.transfer_id,
             )
-        if self._state is not TransferState.RUNNING or hi == lo:
+        if self._state is not TransferState.RUNNING or hi == lo or self._all_queued:
+            return
+        if lo == 0 and hi == self.grant.total and not self._ready and not self._from:
+            # the whole grant at once (the usual ``ready=True``): no interval work
+            self._all_queued = True
+            self._queued[:] = True
+            self._ready.extend(range(len(self._sources)))
+            self._owner._pump()
             return
         self._from.add(lo, hi)
         b = self._bounds
@@ -592,19 +686,22 @@ class UcxSender(_Service, Sender):
     ) -> None:
         if not address.startswith(K_ADDR_PREFIX):
             raise LocalProtocolError(f"not a UCX address: {address[:40]!r}")
-        super().__init__(tls, spin_us)
         self.peer = address.split("#", 1)[0]
+        peer_netns, self._peer_address = _parse_address(self.peer)
+        super().__init__(_tls_for_peer(tls, peer_netns), spin_us)
         self.sender_id = secrets.randbits(32)
         self.max_inflight = max_inflight
         self._transfers: dict[int, UcxTransfer] = {}
         self._inflight = 0
         self._bytes = self._staged = self._pieces = self._ok = 0
         self._ep: Any = None
+        self._lens_cache: dict[str, tuple[Any, Any, list[int]]] = {}
+        self._resume_pending = False
 
     async def __aenter__(self) -> UcxSender:
         await self._open()
         self._recv_ctrl(K_TAG_CTRL_TX | self.sender_id)
-        self._ep = self._worker.connect(_unb64(self.peer[len(K_ADDR_PREFIX) :]))
+        self._ep = self._worker.connect(self._peer_address)
         hello = _pack(_Ctl.HELLO, self.sender_id, 0, 0, self._worker.address)
         self._send_ctrl(self._ep, K_TAG_CTRL_RX, hello)
         return self
@@ -649,19 +746,18 @@ class UcxSender(_Service, Sender):
                 f"source ranges hold {ranges.total} bytes, the grant {grant.total}",
                 transfer_id=grant.transfer_id,
             )
-        lengths = np.frombuffer(_unb64(lens), "<i8").astype(np.int64)
-        if int(lengths.sum()) != grant.total or (lengths <= 0).any():
-            raise LocalProtocolError("the grant's piece list does not add up")
-        bounds = np.concatenate(([0], np.cumsum(lengths)))
-        src_len = ranges.length[ranges.length > 0]
+        lengths, bounds, length_list = self._piece_list(lens, grant.total)
+        keep: Any = ranges.length > 0
+        if keep.all():
+            keep = slice(None)
+        src_len = ranges.length[keep]
         if np.array_equal(src_len, lengths):  # the usual case: one source range per piece
-            keep = ranges.length > 0
             sources = [
                 [(b, o, n)]
                 for b, o, n in zip(
                     ranges.buffer[keep].tolist(),
                     ranges.offset[keep].tolist(),
-                    lengths.tolist(),
+                    length_list,
                     strict=True,
                 )
             ]
@@ -673,12 +769,37 @@ class UcxSender(_Service, Sender):
         if grant.transfer_id in self._transfers:
             raise LocalProtocolError("transfer already running", transfer_id=grant.transfer_id)
         self._transfers[grant.transfer_id] = t
-        self._send_ctrl(self._ep, K_TAG_CTRL_RX, _pack(_Ctl.START, self.sender_id, t.transfer_id))
         if timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
-        if ready:
+        if ready and sources:  # START goes with the first piece (see _pump)
             t.mark_ready(0, grant.total)
+        else:  # START now: the receiver can report its own deadline, cancel or DONE
+            self._start(t)
         return t
+
+    def _start(self, t: UcxTransfer) -> None:
+        t.started = True
+        self._send_ctrl(self._ep, K_TAG_CTRL_RX, _pack(_Ctl.START, self.sender_id, t.transfer_id))
+
+    def _piece_list(self, lens: str, total: int) -> tuple[Any, Any, list[int]]:
+        """A grant's piece lengths, their logical bounds, and the lengths as a list.
+
+        Grants of the same shape repeat (one per request and layer), so the
+        decoded lists are cached by their encoding.
+        """
+        hit = self._lens_cache.get(lens)
+        if hit is None:
+            lengths = np.frombuffer(_unb64(lens), "<i8").astype(np.int64)
+            if (lengths <= 0).any():
+                raise LocalProtocolError("the grant's piece list has empty pieces")
+            bounds = np.concatenate(([0], np.cumsum(lengths)))
+            hit = (lengths, bounds, lengths.tolist())
+            if len(self._lens_cache) >= K_LENS_CACHE:
+                self._lens_cache.clear()
+            self._lens_cache[lens] = hit
+        if int(hit[1][-1]) != total:
+            raise LocalProtocolError("the grant's piece list does not add up")
+        return hit
 
     async def _deadline(self, t: UcxTransfer, timeout: float) -> None:
         with trio.CancelScope() as scope:
@@ -688,12 +809,20 @@ class UcxSender(_Service, Sender):
             self._end(t, TransferState.FAILED, exc, _Code.TIMEOUT)
 
     def _pump(self) -> None:
+        inline = 0
         while self._inflight < self.max_inflight:
+            if inline >= K_INLINE_BURST:  # let trio run; go on in a moment
+                if not self._resume_pending:
+                    self._resume_pending = True
+                    self._nursery.start_soon(self._resume_pump)
+                return
             ready = [t for t in self._transfers.values() if t._ready]
             if not ready:
                 return
             t = min(ready, key=lambda x: (-x.priority, x.remaining))
             i = t._ready.popleft()
+            if not t.started:  # right before the data: both reach the receiver in one wake-up
+                self._start(t)
             src = t._sources[i]
             if len(src) == 1:
                 b, o, n = src[0]
@@ -706,11 +835,28 @@ class UcxSender(_Service, Sender):
                 self._staged += n
             slot: list[int] = []
             tag = _data_tag(t.transfer_id, i)
+            t.remaining -= n
             h = self._worker.send(self._ep, buf, tag, self._sent(t, n, slot), queue=t.queue)
+            if h == 0:  # completed while posted (eager): account for it now
+                self._account(t, n)
+                inline += 1
+                continue
             slot.append(h)
             t._inflight[h] = n
-            t.remaining -= n
             self._inflight += 1
+
+    async def _resume_pump(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._resume_pending = False
+        self._pump()
+
+    def _account(self, t: UcxTransfer, n: int) -> None:
+        t.bytes_sent += n
+        self._bytes += n
+        self._pieces += 1
+        if t._progress is not None:
+            t._reported = t.bytes_sent
+            t._progress(t.transfer_id, t.bytes_sent, t.grant.total)
 
     def _sent(self, t: UcxTransfer, n: int, slot: list[int]) -> Any:
         def cb(req: Any, err: BaseException | None) -> None:
@@ -721,12 +867,7 @@ class UcxSender(_Service, Sender):
                     exc = PeerUnavailable(f"UCX send failed: {err}", transfer_id=t.transfer_id)
                     self._end(t, TransferState.FAILED, exc, _Code.CANCELLED)
                 else:
-                    t.bytes_sent += n
-                    self._bytes += n
-                    self._pieces += 1
-                    if t._progress is not None:
-                        t._reported = t.bytes_sent
-                        t._progress(t.transfer_id, t.bytes_sent, t.grant.total)
+                    self._account(t, n)
             self._pump()
 
         return cb
@@ -760,12 +901,18 @@ class UcxSender(_Service, Sender):
         self._pump()
 
     def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+        if kind is _Ctl.DONE:  # a batch: tid, then more u32 transfer ids in the blob
+            if len(blob) % 4:
+                raise RemoteProtocolError("malformed DONE batch", peer=self.peer)
+            for done in (tid, *struct.unpack(f"<{len(blob) // 4}I", blob)):
+                t = self._transfers.get(done)
+                if t is not None:
+                    self._end(t, TransferState.DONE, None, None)
+            return
         t = self._transfers.get(tid)
         if t is None:
             return
-        if kind is _Ctl.DONE:
-            self._end(t, TransferState.DONE, None, None)
-        elif kind is _Ctl.CANCEL:
+        if kind is _Ctl.CANCEL:
             err = _error_for(code, tid, "receiver")
             state = TransferState.CANCELLED if code == _Code.CANCELLED else TransferState.FAILED
             self._end(t, state, err, None)

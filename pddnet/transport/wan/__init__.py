@@ -21,7 +21,7 @@ from ._pacer import (
 )
 from ._receiver import ReceiverStatistics, WanReceiver
 from ._scheduler import Chunk, Scheduler
-from ._sender import SenderStatistics, StreamStatistics, WanSender, WanTransfer
+from ._sender import SenderStatistics, StreamStatistics, WanSender, WanTransfer, default_streams
 
 __all__ = [
     "AdaptivePacer",
@@ -45,6 +45,7 @@ __all__ = [
     "WanSender",
     "WanTransfer",
     "available_pacers",
+    "default_streams",
     "make_pacer",
     "register_pacer",
 ]

@@ -19,9 +19,15 @@ Built in:
     Keeps the aggregate below what the path delivers when the path shows
     *self-inflicted* trouble, and otherwise gets out of the way:
 
-    * queueing: the median smoothed RTT over the streams exceeds the windowed
-      minimum RTT by more than ``queue_tolerance`` (relative) plus
-      ``queue_slack`` (5 ms: host and emulator jitter is not a queue);
+    * queueing: the median smoothed RTT over the streams that sent in the last
+      period exceeds its own windowed minimum (the *RTT floor*) by more than
+      ``queue_tolerance`` (relative) plus ``queue_slack`` (5 ms). The floor is
+      the minimum of the per-period median smoothed RTT, not TCP's ``min_rtt``:
+      with delay jitter, ``min_rtt`` is the luckiest packet (17 ms on a 30 ms
+      path with 5 ms jitter per direction) while every smoothed RTT carries the
+      jitter, so against ``min_rtt`` a jittery path reads as a permanent queue.
+      Streams that sent nothing (switched off, idle) are ignored: their
+      ``TCP_INFO`` RTT is frozen at its last value;
     * loss storm: retransmitted bytes exceed ``storm_ratio`` of sent bytes in
       the last period *and* RTT is inflated, or exceed ``5 * storm_ratio``
       regardless. Random loss alone (0.1 %, flat RTT) is not congestion and
@@ -36,6 +42,16 @@ Built in:
     the rate); never below ``floor``. After ``calm_periods`` clean periods
     it grows by ``probe_gain`` (3 %) per period up to the cap, and is released
     (None) without a cap once it is far above what the path delivers.
+    Cuts start once the aggregate delivery rate stops growing (by more than
+    10 % per period) or after ``warmup`` (1 s), whichever is first: the
+    delivery rate of a starting flow underestimates the path. If the
+    "queue" does not drain within ``stuck_periods`` periods of being paced
+    below the path, it is not self-inflicted (jitter, someone else's queue):
+    the RTT floor is reset to the current RTT and the target grows again. This
+    breaks the ratchet that held a jittered link at 2-27 MB/s (docs/wan.md).
+    ("Paced below the path": the allowed aggregate, ``slack`` x target, is
+    under 0.9 of the 10 s maximum delivery rate. A queue that persists while
+    the pacing does not bind is ours and stays cut, as before.)
 
     Each stream gets ``slack`` (1.25) times its even share of the target: a
     stream in loss recovery cannot use its share and the others take it up
@@ -167,6 +183,8 @@ class AdaptivePacer(Pacer):
         min_stream_rate: float = 1.25e6,
         min_rtt_window: float = 10.0,
         slack: float = 1.25,
+        warmup: float = 1.0,
+        stuck_periods: int = 10,
         **kw: Any,
     ) -> None:
         super().__init__(max_streams=max_streams, rate_cap=rate_cap)
@@ -187,10 +205,16 @@ class AdaptivePacer(Pacer):
         self.min_stream_rate = min_stream_rate
         self.min_rtt_window = min_rtt_window
         self.slack = slack
+        self.warmup = warmup
+        self.stuck_periods = stuck_periods
+        self._first_at: float | None = None
+        self._warm = False
+        self._prev_delivered = 0.0
+        self._srtts: list[tuple[float, float]] = []  # (time, median srtt) window: the RTT floor
+        self._queued = 0  # consecutive periods of queueing while paced
         self.target: float | None = rate_cap
         self._latest: dict[int, TcpSample] = {}
         self._prev: dict[int, TcpSample] = {}
-        self._min_rtts: list[tuple[float, float]] = []  # (time, rtt) window
         self._last_decision_at: float | None = None
         self._calm = 0
         self._decision = PacingDecision(self._per_stream(self.target), max_streams)
@@ -205,19 +229,31 @@ class AdaptivePacer(Pacer):
 
     def on_sample(self, sample: TcpSample, now: float) -> None:
         self._latest[sample.stream] = sample
-        if sample.rtt > 0:
-            self._min_rtts.append((now, sample.min_rtt if sample.min_rtt > 0 else sample.rtt))
+        if self._first_at is None:
+            self._first_at = now
+
+    def _sending(self) -> list[TcpSample]:
+        """Latest samples of the streams that sent since the previous decision (a
+        stream with no previous sample, or a reconnected one, counts as sending)."""
+        out = []
+        for s in self._latest.values():
+            p = self._prev.get(s.stream)
+            if p is None or s.bytes_sent != p.bytes_sent:
+                out.append(s)
+        return out
 
     def decide(self, now: float) -> PacingDecision:
         if self._last_decision_at is not None and now - self._last_decision_at < self.period:
             return self._decision
         self._last_decision_at = now
-        samples = list(self._latest.values())
+        samples = self._sending()
         if not samples:
             return self._decision
-        self._min_rtts = [(t, r) for t, r in self._min_rtts if now - t <= self.min_rtt_window]
-        base = min((r for _, r in self._min_rtts), default=0.0)
         srtt = statistics.median(s.rtt for s in samples)
+        self._srtts = [(t, r) for t, r in self._srtts if now - t <= self.min_rtt_window]
+        if srtt > 0:
+            self._srtts.append((now, srtt))
+        base = min((r for _, r in self._srtts), default=0.0)
         delivered = sum(s.delivery_rate for s in samples)
         self._delivered = [(t, d) for t, d in self._delivered if now - t <= self.bw_window]
         self._delivered.append((now, delivered))
@@ -236,8 +272,24 @@ class AdaptivePacer(Pacer):
         self._prev = dict(self._latest)
         ratio = retrans / sent if sent else 0.0
         queueing = base > 0 and srtt > base * (1 + self.queue_tolerance) + self.queue_slack
+        # the pacing binds: it allows clearly less than the path delivered lately
+        binding = self.target is not None and self.target * self.slack < 0.9 * bw_long
+        if queueing and binding:
+            self._queued += 1
+            if self._queued >= self.stuck_periods:
+                # paced below the path for stuck_periods and the RTT did not come
+                # down: not our queue. Take the current RTT as the floor again.
+                self._srtts = [(now, srtt)]
+                base, queueing, self._queued = srtt, False, 0
+        else:
+            self._queued = 0
         storm = (ratio > self.storm_ratio and queueing) or ratio > 5 * self.storm_ratio
-        if (queueing or storm) and delivered > 0:
+        if not self._warm:
+            self._warm = (self._first_at is not None and now - self._first_at >= self.warmup) or (
+                0 < delivered <= 1.1 * self._prev_delivered
+            )
+            self._prev_delivered = delivered
+        if (queueing or storm) and delivered > 0 and self._warm:
             self.trouble = "loss storm" if storm else "queueing"
             # queueing: pace just under the bottleneck, so the queue drains but the
             # link stays full; a loss storm: cut harder, below what got through

@@ -230,6 +230,10 @@ class Scheduler:
             return self.policy == "priority" and tx.priority > 0
         return True
 
+    def urgent_running(self) -> bool:
+        """Whether a ``priority > 0`` transfer is running (``priority`` policy only)."""
+        return self.policy == "priority" and any(tx.priority > 0 for tx in self._txs.values())
+
     def has_work(self) -> bool:
         """Whether a fresh or retry chunk is waiting (ignores hedging)."""
         return any(tx.has_work() for tx in self._txs.values())

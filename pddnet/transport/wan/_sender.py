@@ -17,6 +17,7 @@ import logging
 import math
 import secrets
 import socket
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +41,17 @@ from ._pacer import Pacer, PacingDecision, TcpSample, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferCompleted, TransferFailed, TransferProgress
 from ._sockopts import available_congestion, read_tcp_info, set_pacing_rate, tune_socket
 
-__all__ = ["SenderStatistics", "StreamStatistics", "WanSender", "WanTransfer"]
+__all__ = ["SenderStatistics", "StreamStatistics", "WanSender", "WanTransfer", "default_streams"]
 
 log = logging.getLogger(__name__)
 
 # Defaults; docs/wan.md records the measurements behind them.
+# Streams per congestion control ("Stream count" in docs/wan.md): bbr gains at
+# most 2-3 % goodput from 8 to 16 streams and small transfers wait longer; cubic
+# needs 16 on lossy long paths (1.7-1.8x the goodput of 8 at 80 ms / 1 %).
 K_DEFAULT_STREAMS = 8
+K_DEFAULT_STREAMS_LOSS_BASED = 16
+K_DEFAULT_URGENT_PACING = 0.9
 K_DEFAULT_CHUNK = 1 << 20
 K_DEFAULT_BUFFER = 32 << 20
 K_DEFAULT_NOTSENT_LOWAT = 256 << 10
@@ -56,6 +62,19 @@ K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 
 def _default_congestion() -> str | None:
     return "bbr" if "bbr" in available_congestion() else None
+
+
+def default_streams(congestion: str | None) -> int:
+    """The default stream count for a congestion control (None: the system's).
+
+    Args:
+        congestion: a ``TCP_CONGESTION`` name, or None for the system default.
+
+    Returns:
+        8 for bbr; 16 for loss-based controls (cubic, reno, the usual system
+        default), which need more parallel windows on lossy long paths.
+    """
+    return K_DEFAULT_STREAMS if congestion == "bbr" else K_DEFAULT_STREAMS_LOSS_BASED
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +193,8 @@ class WanSender(Sender):
 
     Args:
         address: the receiver's ``host:port`` (:attr:`WanReceiver.address`).
-        streams: TCP connections to open for bulk data.
+        streams: TCP connections to open for bulk data (None: :func:`default_streams`
+            of the congestion control, 8 for bbr, 16 for cubic).
         express_streams: extra connections reserved for ``priority > 0`` transfers
             (with the ``priority`` policy): bulk never fills their sockets. Off by
             default: it did not lower small-transfer latency in measurement.
@@ -188,6 +208,10 @@ class WanSender(Sender):
         rate_cap: operator cap on the aggregate rate, bytes/s.
         policy: ``priority`` or ``fifo`` (see :class:`~._scheduler.Scheduler`).
         hedge: allow tail hedging.
+        urgent_pacing: while a ``priority > 0`` transfer runs, pace the bulk
+            streams to at most this fraction of the 10 s maximum aggregate
+            delivery rate, so no stream bursts into the bottleneck queue the
+            urgent chunks must cross (docs/wan.md); None: off.
         buffer_bytes: ``SO_SNDBUF``/``SO_RCVBUF`` of each stream.
         notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables).
         peer_timeout: seconds with no stream connected (or unacknowledged data
@@ -199,7 +223,7 @@ class WanSender(Sender):
         self,
         address: str,
         *,
-        streams: int = K_DEFAULT_STREAMS,
+        streams: int | None = None,
         express_streams: int = 0,
         express_congestion: str | None = None,
         chunk_size: int = K_DEFAULT_CHUNK,
@@ -210,6 +234,7 @@ class WanSender(Sender):
         rate_cap: float | None = None,
         policy: str = "priority",
         hedge: bool = True,
+        urgent_pacing: float | None = K_DEFAULT_URGENT_PACING,
         buffer_bytes: int = K_DEFAULT_BUFFER,
         notsent_lowat: int = K_DEFAULT_NOTSENT_LOWAT,
         peer_timeout: float = 10.0,
@@ -218,11 +243,13 @@ class WanSender(Sender):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise LocalProtocolError(f"bad WAN address {address!r}; want host:port")
-        if streams < 1:
-            raise LocalProtocolError("a WAN sender needs at least one stream")
         self.address = address
         self._addr = (host, int(port))
         self.congestion = _default_congestion() if congestion == "default" else congestion
+        if streams is None:
+            streams = default_streams(self.congestion)
+        if streams < 1:
+            raise LocalProtocolError("a WAN sender needs at least one stream")
         self.express_congestion = express_congestion
         self.algo = algo
         self.buffer_bytes = buffer_bytes
@@ -238,6 +265,9 @@ class WanSender(Sender):
             else make_pacer(pacer, max_streams=streams, rate_cap=rate_cap, **(pacer_options or {}))
         )
         self._decision = PacingDecision(None, streams)
+        self.urgent_pacing = urgent_pacing
+        self._applied_rate: float | None = None
+        self._delivered: deque[tuple[float, float]] = deque()  # (time, aggregate rate)
         self._nbulk = streams
         self._streams = [_Stream(i) for i in range(streams + express_streams)]
         self._transfers: dict[int, WanTransfer] = {}
@@ -315,6 +345,8 @@ class WanSender(Sender):
         )
         if ready and grant.total:
             self._sched.mark_ready(grant.transfer_id, 0, grant.total)
+        if priority > 0:
+            self._apply_pacing()
         self._pump()
         self._wake()
         return t
@@ -384,7 +416,30 @@ class WanSender(Sender):
                 del self._transfers[ev.transfer_id]
                 t._finish(ev.error)
         if events:
+            if self.urgent_pacing is not None:
+                self._apply_pacing()
             self._wake()
+
+    def _bulk_rate(self) -> float | None:
+        """Per-stream pacing of the bulk streams: the pacer's, lowered to
+        ``urgent_pacing`` x the recent peak while an urgent transfer runs."""
+        rate = self._decision.rate_per_stream
+        if self.urgent_pacing is not None and self._delivered and self._sched.urgent_running():
+            peak = max(d for _, d in self._delivered)
+            if peak > 0:
+                cap = self.urgent_pacing * peak / max(self._sched.active_streams, 1)
+                rate = cap if rate is None else min(rate, cap)
+        return rate
+
+    def _apply_pacing(self) -> None:
+        rate = self._bulk_rate()
+        if rate == self._applied_rate:
+            return
+        self._applied_rate = rate
+        for s in self._streams[: self._nbulk]:
+            if s.up and s.sock is not None:
+                with contextlib.suppress(OSError):
+                    set_pacing_rate(s.sock, rate)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -428,15 +483,23 @@ class WanSender(Sender):
                         if s.index < self._nbulk:  # the express lane is not paced
                             self._pacer.on_sample(sample, now)
             decision = self._pacer.decide(now)
-            if decision != self._decision:
+            if self.urgent_pacing is not None:
+                total = sum(
+                    s.sample.delivery_rate
+                    for s in self._streams[: self._nbulk]
+                    if s.up and s.sample is not None
+                )
+                self._delivered.append((now, total))
+                while self._delivered and now - self._delivered[0][0] > 10.0:
+                    self._delivered.popleft()
+            if decision != self._decision or self.urgent_pacing is not None:
+                changed = decision != self._decision
                 self._decision = decision
                 self._sched.active_streams = max(1, min(decision.active_streams, self._nbulk))
-                for s in self._streams[: self._nbulk]:
-                    if s.up and s.sock is not None:
-                        with contextlib.suppress(OSError):
-                            set_pacing_rate(s.sock, decision.rate_per_stream)
-                self._wake()
-                self._pump()
+                self._apply_pacing()
+                if changed:
+                    self._wake()
+                    self._pump()
 
     def _stream_state_changed(self) -> None:
         if any(s.up for s in self._streams):
@@ -462,8 +525,8 @@ class WanSender(Sender):
             )
             # unacknowledged data stuck this long kills the connection (dead peer)
             sock.setsockopt(socket.IPPROTO_TCP, K_TCP_USER_TIMEOUT, int(self.peer_timeout * 1000))
-            if self._decision.rate_per_stream is not None and s.index < self._nbulk:
-                set_pacing_rate(sock, self._decision.rate_per_stream)
+            if self._applied_rate is not None and s.index < self._nbulk:
+                set_pacing_rate(sock, self._applied_rate)
             await connect(sock, self._addr)
         except BaseException:
             close(sock)

@@ -1,0 +1,327 @@
+"""The processes of ``pddnet bench faults``: ``python -m pddnet.bench._faults_peer ROLE CFG``.
+
+``prefill`` hosts the rendezvous and plays P and the user: it submits a
+continuous stream of random prompts (random route) for ``duration_s``, each
+with a deadline, records every token the sink receives and how each request
+ended, then drains, waits for its lease table to empty and probes both
+decoders' block accounting. ``relay`` and ``main`` run the decode endpoints
+with the reference engine and answer :class:`FaultProbe` with their block
+counts. Every role prints one ``ready``/``running`` line; the orchestrator
+(:mod:`pddnet.bench.faults`) injects faults from outside. The shared secret
+comes from ``$PDDNET_SECRET``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import msgpack
+import trio
+
+from .._errors import PddnetError
+from ..api import (
+    Abort,
+    BlocksReleased,
+    Emitted,
+    MainEndpoint,
+    PrefillEndpoint,
+    ReferenceEngine,
+    RelayEndpoint,
+    Rendezvous,
+    new_request_id,
+)
+from ..control import ControlNode
+from ..handoff import HandoffParams
+from ..recompute import TINY, ReferenceModel, greedy
+from ..route import Route
+from ..wire import Message, message
+
+__all__ = ["FaultProbe", "FaultProbeReply", "probe", "rss_kb"]
+
+
+@message(80)
+class FaultProbe(Message):
+    """Ask a decoder of the fault bench for its block accounting."""
+
+    nonce: int = 0
+
+
+@message(81)
+class FaultProbeReply(Message):
+    """msgpack ``{"free_blocks", "cache_blocks", "active", "num_blocks"}``."""
+
+    payload: bytes
+
+
+async def _retry(make: Any, timeout: float = 30.0) -> Any:
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                return await make()
+            except PddnetError:
+                await trio.sleep(0.1)
+
+
+async def decoder(role: str, cfg: dict[str, Any]) -> None:
+    model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
+    cls = RelayEndpoint if role == "relay" else MainEndpoint
+    other = "main" if role == "relay" else "relay"
+    # the decoders' own waits follow the request deadline (defaults: 30 s, 10 s)
+    params = HandoffParams(
+        rtt_s=cfg["rtt_s"],
+        recompute_rate=20000.0,
+        kv_timeout_s=cfg["transfer_timeout_s"],
+        idle_timeout_s=min(10.0, cfg["transfer_timeout_s"] / 2),
+    )
+    async with cls(
+        role,
+        model.pool,
+        ReferenceEngine(model),
+        engine_id=role,
+        control_bind=cfg["control"][role],
+        data_host=cfg["hosts"][role],
+        step_time_s=cfg["step_time_s"],
+        params=params,
+        lease_s=cfg["lease_s"],
+    ) as ep:
+
+        def on_probe(peer: str, msg: FaultProbe) -> FaultProbeReply:
+            cache = getattr(ep, "cache", None)
+            doc = {
+                "rss_kb": rss_kb(),
+                "free_blocks": _free(model),
+                "cache_blocks": len(cache) if cache is not None else 0,
+                "active": ep.statistics().active,
+                "num_blocks": cfg["blocks"],
+            }
+            return FaultProbeReply(bytes(msgpack.packb(doc)))
+
+        ep.node.route(FaultProbe, on_probe)
+        await ep.node.connect("p", cfg["control"]["prefill"])
+        await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()))
+        for engine_id in ("p", other):
+            info = await _retry(lambda: Rendezvous.lookup(ep.node, "p", engine_id, 0))  # noqa: B023
+            await ep.connect_peer(info)
+        print(f"{role}: ready", flush=True)
+        await trio.sleep_forever()
+
+
+async def probe(node: ControlNode, peer: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """A decoder's block accounting, or None if it does not answer."""
+    try:
+        reply = await node.request(peer, FaultProbe(), timeout=timeout)
+    except PddnetError:
+        return None
+    if not isinstance(reply, FaultProbeReply):
+        return None
+    doc: dict[str, Any] = msgpack.unpackb(reply.payload)
+    return doc
+
+
+def rss_kb(pid: int | str = "self") -> int:
+    """Resident set size of a process in KiB (0 if unknown)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _free(model: ReferenceModel) -> int:
+    assert model.allocator is not None
+    return int(model.allocator.free_blocks)
+
+
+def _leaked(doc: dict[str, Any] | None) -> int | None:
+    if doc is None:
+        return None
+    return int(doc["num_blocks"] - doc["free_blocks"] - doc["cache_blocks"])
+
+
+async def settle_decoders(node: ControlNode, timeout: float) -> dict[str, dict[str, Any] | None]:
+    """Probe RLD and MD until neither has active requests nor leaked blocks,
+    or ``timeout``; returns the last answers (None: unreachable)."""
+    last: dict[str, dict[str, Any] | None] = {}
+    deadline = trio.current_time() + timeout
+    while True:
+        for peer in ("relay", "main"):
+            last[peer] = await probe(node, peer)
+        settled = all(d is None or (d["active"] == 0 and _leaked(d) == 0) for d in last.values())
+        if settled or trio.current_time() > deadline:
+            return last
+        await trio.sleep(0.2)
+
+
+class _Front:
+    def __init__(self) -> None:
+        self.recs: dict[int, dict[str, Any]] = {}
+        self.done: dict[int, trio.Event] = {}
+        self.released: dict[int, trio.Event] = {}
+        self.release_error: dict[int, tuple[float, str]] = {}  # (when, error)
+
+    def on_emit(self, peer: str, msg: Emitted) -> None:
+        rec = self.recs.get(msg.request_id)
+        if rec is None:
+            return
+        rec["tokens"].append([msg.position, msg.token])
+        if msg.finished and rec["outcome"] is None:
+            rec["outcome"] = "finished"
+            self.done[msg.request_id].set()
+
+    def on_abort(self, peer: str, msg: Abort) -> None:
+        rec = self.recs.get(msg.request_id)
+        if rec is not None and rec["outcome"] is None:
+            rec["outcome"] = "error"
+            rec["error"] = f"Abort from {peer}: {msg.reason}"
+            self.done[msg.request_id].set()
+
+
+async def _worker(
+    p: PrefillEndpoint,
+    model: ReferenceModel,
+    front: _Front,
+    rng: random.Random,
+    cfg: dict[str, Any],
+    stop_at: float,
+) -> None:
+    names = {"auto": None, "p-md": Route.P_MD, "p-rld-md": Route.P_RLD_MD}
+    routes = [names[r] for r in cfg["routes"]]
+    while trio.current_time() < stop_at:
+        rid = new_request_id()
+        prompt = [rng.randrange(TINY.vocab_size) for _ in range(rng.randrange(20, 120))]
+        max_tokens = rng.randrange(8, cfg["max_tokens"] + 1)
+        route = rng.choice(routes)
+        rec: dict[str, Any] = {
+            "request_id": rid,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "route": route.value if route else "auto",
+            "tokens": [],
+            "outcome": None,
+            "error": None,
+            "t0": time.time(),
+        }
+        front.recs[rid] = rec
+        front.done[rid] = trio.Event()
+        front.released[rid] = trio.Event()
+        seq = model.new_sequence()
+        model.reserve(seq, len(prompt))
+        first = greedy(model.prefill(seq, prompt))
+        t_dead = trio.current_time() + cfg["request_timeout_s"]
+        try:
+            await p.submit(
+                rid, prompt, seq.block_table.tolist(), first, max_tokens, sink="p", route=route
+            )
+        except PddnetError as exc:
+            rec["outcome"] = "error"
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            front.released[rid].set()  # nothing was leased
+        with trio.move_on_at(t_dead):
+            await front.done[rid].wait()
+        if rec["outcome"] is None:
+            rec["outcome"] = "hung"
+            # did P's engine at least get a typed error for it in time?
+            err = front.release_error.get(rid)
+            if err is not None and err[0] <= t_dead:
+                rec["error_at_p"] = err[1]
+        rec["elapsed_s"] = time.time() - rec["t0"]
+        # the source blocks stay with pddnet until BlocksReleased
+        with trio.move_on_after(cfg["lease_s"] + 5.0):
+            await front.released[rid].wait()
+        rec["released"] = front.released[rid].is_set()
+        if rec["released"]:
+            model.release(seq)
+
+
+async def prefill(cfg: dict[str, Any]) -> None:
+    model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
+    front = _Front()
+    async with PrefillEndpoint(
+        "p",
+        model.pool,
+        engine_id="p",
+        control_bind=cfg["control"]["prefill"],
+        wan_options={"streams": 2},
+        lease_s=cfg["lease_s"],
+        timeout=cfg["transfer_timeout_s"],
+    ) as p:
+        directory = Rendezvous.serve(p.node)
+        p.node.route(Emitted, front.on_emit)
+        p.node.route(Abort, front.on_abort)
+        directory.publish(p.info())
+        for engine_id in ("relay", "main"):
+            info = await directory.wait_for(engine_id, 0, timeout=60)
+            await p.connect_peer(info)
+        await trio.sleep(0.5)  # let the decoders finish connecting to each other
+        baseline = _free(model)
+        start = {peer: await probe(p.node, peer) for peer in ("relay", "main")}
+        rss0 = rss_kb()
+        print("p: running", flush=True)
+        async with trio.open_nursery() as nursery:
+
+            async def releases() -> None:
+                while True:
+                    ev: BlocksReleased = await p.next_event()
+                    if ev.error is not None:
+                        front.release_error[ev.request_id] = (
+                            trio.current_time(),
+                            f"{type(ev.error).__name__}: {ev.error}",
+                        )
+                    front.released.setdefault(ev.request_id, trio.Event()).set()
+
+            nursery.start_soon(releases)
+            stop_at = trio.current_time() + cfg["duration_s"]
+            async with trio.open_nursery() as workers:
+                for i in range(cfg["concurrency"]):
+                    rng = random.Random(cfg["seed"] * 1000 + i)
+                    workers.start_soon(_worker, p, model, front, rng, cfg, stop_at)
+            with trio.move_on_after(cfg["lease_s"] + 5.0):
+                while p.statistics().held_blocks:
+                    await trio.sleep(0.05)
+            decoders = await settle_decoders(p.node, cfg["settle_s"])
+            out = {
+                "requests": list(front.recs.values()),
+                "p": {
+                    "held_blocks": p.statistics().held_blocks,
+                    "free_blocks": _free(model),
+                    "baseline_free_blocks": baseline,
+                    "rss_growth_kb": rss_kb() - rss0,
+                },
+                "decoders": decoders,
+                "decoders_start": start,
+            }
+            with open(cfg["out"], "w") as f:
+                json.dump(out, f)
+            print("p: done", flush=True)
+            nursery.cancel_scope.cancel()
+
+
+async def prober(cfg: dict[str, Any]) -> None:
+    """After P was killed: settle and report the decoders' accounting."""
+    async with ControlNode("probe", secret=None, bind="tcp://127.0.0.1:0") as node:
+        for peer in ("relay", "main"):
+            await node.connect(peer, cfg["control"][peer])
+        decoders = await settle_decoders(node, cfg["settle_s"])
+    with open(cfg["out"], "w") as f:
+        json.dump({"requests": [], "p": None, "decoders": decoders}, f)
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    if role == "prefill":
+        trio.run(prefill, cfg)
+    elif role == "probe":
+        trio.run(prober, cfg)
+    else:
+        trio.run(decoder, role, cfg)
+
+
+if __name__ == "__main__":
+    main()

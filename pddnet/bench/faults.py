@@ -1,0 +1,505 @@
+"""Fault soak: continuous requests through P, RLD and MD with random faults.
+
+Each *episode* starts the three roles as processes (``_faults_peer.py``) on a
+fresh emulated WAN (as root; otherwise on loopback), runs a continuous stream
+of random requests with per-request deadlines, and injects one fault at a
+random moment while requests are in flight:
+
+* ``none``: no fault (control);
+* ``link_down``: the WAN carries nothing for 2 s (the forwarder is paused;
+  on loopback MD is SIGSTOPped instead);
+* ``burst_loss``: Gilbert-Elliott bursty loss on the WAN for the whole episode;
+* ``stream_reset``: every TCP connection between P and MD is reset (``ss -K``);
+* ``kill_p`` / ``kill_rld`` / ``kill_md``: ``kill -9`` of that process.
+
+Every request must finish with the single-instance greedy tokens or fail with
+a typed error (an ``Abort`` at the sink or a typed exception) before its
+deadline. After the episode P's lease table must be empty, P's pool back to
+its baseline, and each surviving decoder idle with every block either free
+or in MD's radix cache. The summary counts ``completed``, ``typed_errors``,
+``lost`` (no outcome recorded), ``hung`` (deadline passed, or a decoder still
+busy after settling; ``hung_error_at_p`` of them did give P's engine a typed
+error in time, as ``BlocksReleased.error``, though the sink heard nothing),
+``corrupted`` (a request whose stream is wrong: ``wrong_token``,
+``missing_position`` in a finished stream, or ``duplicate_position``),
+``leaked_blocks``, ``crashed`` (a decoder that died although no fault killed
+it) and ``rss_growth`` (bytes, the largest growth of one role process within
+an episode). See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..emu import GilbertElliott, Testbed, emulated_wan, netem_available, unavailable_reason
+from ..recompute import TINY, ReferenceModel, greedy
+from ._common import add_common_arguments, print_table, write_report
+
+__all__ = ["FAULTS", "add_arguments", "check_episode", "main", "reference", "run_episode"]
+
+FAULTS = ("none", "link_down", "burst_loss", "stream_reset", "kill_p", "kill_rld", "kill_md")
+K_LINK_DOWN_S = 2.0
+K_ROUTES = ("auto", "p-md", "p-rld-md")
+_ROLES = ("prefill", "relay", "main")
+_PEER = [sys.executable, "-m", "pddnet.bench._faults_peer"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, png=False)
+    parser.add_argument("--duration", type=float, default=None, help="total seconds (soak)")
+    parser.add_argument("--episode", type=float, default=6.0, help="seconds of traffic each")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--loopback", action="store_true", help="skip the emulated WAN")
+    parser.add_argument(
+        "--parallel", type=int, default=4, help="episodes at once (each has its own WAN)"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=None, help="per-request deadline, s (8 quick, 15)"
+    )
+    parser.add_argument(
+        "--routes", default=",".join(K_ROUTES), help="routes to draw from (auto,p-md,p-rld-md)"
+    )
+
+
+def base_config(
+    seed: int,
+    duration_s: float,
+    concurrency: int = 3,
+    routes: tuple[str, ...] = K_ROUTES,
+    request_timeout_s: float = 15.0,
+) -> dict[str, Any]:
+    """The roles' configuration (addresses are filled in per episode)."""
+    return {
+        "routes": list(routes),
+        "blocks": 1024,
+        "step_time_s": 0.01,
+        "rtt_s": 0.02,
+        "lease_s": 3.0,
+        "request_timeout_s": request_timeout_s,
+        # P's transfer timeout: short enough that its typed error reaches the
+        # user before the request's deadline
+        "transfer_timeout_s": 0.75 * request_timeout_s,
+        "settle_s": 12.0,
+        "duration_s": duration_s,
+        "concurrency": concurrency,
+        "max_tokens": 24,
+        "seed": seed,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _link(fault: str, loopback: bool, seed: int) -> Iterator[Testbed | None]:
+    if loopback or unavailable_reason() is not None:
+        yield None
+        return
+    ge = GilbertElliott(p=0.02, r=0.25) if fault == "burst_loss" else None
+    with emulated_wan("20ms", rate="200mbit", mtu=1500, ge=ge, seed=seed) as wan:
+        yield wan
+
+
+class _Proc:
+    """One role process and its output lines (read on a thread)."""
+
+    def __init__(self, role: str, proc: subprocess.Popen[str]) -> None:
+        self.role, self.proc = role, proc
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def wait_line(self, word: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(word in line for line in self.lines):
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def _spawn(wan: Testbed | None, role: str, cfg: dict[str, Any], env: dict[str, str]) -> _Proc:
+    argv = [*_PEER, role, json.dumps(cfg)]
+    kw: dict[str, Any] = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    host = {"prefill": "p", "probe": "p", "relay": "rld", "main": "md"}[role]
+    proc = wan[host].spawn(argv, **kw) if wan is not None else subprocess.Popen(argv, **kw)
+    return _Proc(role, proc)
+
+
+def _inject(fault: str, wan: Testbed | None, procs: dict[str, _Proc]) -> str:
+    """Apply one fault; returns what was done (for the log)."""
+    if fault == "link_down":
+        if wan is not None and wan.forwarder_pid is not None:
+            os.kill(wan.forwarder_pid, signal.SIGSTOP)
+            try:
+                time.sleep(K_LINK_DOWN_S)
+            finally:
+                os.kill(wan.forwarder_pid, signal.SIGCONT)
+            return "WAN forwarder paused 2 s"
+        procs["main"].proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(K_LINK_DOWN_S)
+        finally:
+            procs["main"].proc.send_signal(signal.SIGCONT)
+        return "MD stopped 2 s (loopback: no link to take down)"
+    if fault == "stream_reset":
+        if wan is None:
+            return "skipped: stream resets need the emulated WAN"
+        res = wan.p.run(["ss", "-K", "dst", wan.md.addr], check=False)
+        return f"ss -K dst {wan.md.addr}: rc {res.returncode} {res.stderr.strip()[:80]}"
+    if fault.startswith("kill_"):
+        role = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}[fault]
+        procs[role].kill()
+        return f"kill -9 {role} (pid {procs[role].proc.pid})"
+    return "no fault"
+
+
+def run_episode(
+    fault: str,
+    *,
+    seed: int = 1,
+    duration_s: float = 6.0,
+    concurrency: int = 3,
+    loopback: bool = False,
+    fault_at: tuple[float, float] = (1.0, 3.0),
+    routes: tuple[str, ...] = K_ROUTES,
+    request_timeout_s: float = 15.0,
+) -> dict[str, Any]:
+    """Run one episode with ``fault``; returns the raw records and accounting.
+
+    Args:
+        fault: one of :data:`FAULTS`.
+        seed: drives the workload and the moment of the fault.
+        duration_s: seconds of traffic.
+        concurrency: requests in flight at once.
+        loopback: run on loopback even where the emulated WAN is available.
+        fault_at: the fault strikes this many seconds (uniform) after traffic starts.
+        routes: the routes requests draw from (``auto``, ``p-md``, ``p-rld-md``).
+        request_timeout_s: each request's deadline.
+
+    Returns:
+        ``{"fault", "link", "injected", "requests", "p", "decoders",
+        "decoders_start", "crashed", "log", "wall_s"}`` (``p`` is None and
+        ``requests`` empty when P was killed).
+
+    Raises:
+        RuntimeError: if P did not start.
+        subprocess.TimeoutExpired: if P (or the probe) overran every bound.
+    """
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    env = {**os.environ, "PDDNET_SECRET": secrets.token_hex(32)}
+    with tempfile.TemporaryDirectory() as tmp, _link(fault, loopback, seed) as wan:
+        cfg = base_config(seed, duration_s, concurrency, routes, request_timeout_s)
+        cfg["out"] = str(Path(tmp) / "episode.json")
+        if wan is not None:
+            hosts = {"prefill": wan.p.addr, "relay": wan.rld.addr, "main": wan.md.addr}
+            ports = {"prefill": 5560, "relay": 5561, "main": 5562}
+        else:
+            hosts = dict.fromkeys(_ROLES, "127.0.0.1")
+            ports = {r: _free_port() for r in _ROLES}
+        if wan is not None:
+            # UCX's default "tcp,sm,self" picks shared memory between P and RLD (one
+            # kernel), which stalls silently across network namespaces; see
+            # docs/reliability.md. Each host is its own machine here: TCP only.
+            env.setdefault("UCX_TLS", "tcp")
+        cfg["hosts"] = hosts
+        cfg["control"] = {r: f"tcp://{hosts[r]}:{ports[r]}" for r in _ROLES}
+        procs: dict[str, _Proc] = {}
+        injected = "not reached"
+        try:
+            for role in _ROLES:
+                procs[role] = _spawn(wan, role, cfg, env)
+            if not procs["prefill"].wait_line("p: running", 60):
+                raise RuntimeError("P did not start:\n" + "\n".join(procs["prefill"].lines[-20:]))
+            time.sleep(rng.uniform(*fault_at))
+            injected = _inject(fault, wan, procs)
+            if fault == "kill_p":
+                cfg["out"] = str(Path(tmp) / "probe.json")
+                probe = _spawn(wan, "probe", cfg, env)
+                probe.proc.wait(timeout=cfg["settle_s"] + 30)
+                procs["probe"] = probe
+            else:
+                bound = duration_s + cfg["request_timeout_s"] + 2 * cfg["lease_s"] + 40
+                procs["prefill"].proc.wait(timeout=bound + cfg["settle_s"])
+            data = json.loads(Path(cfg["out"]).read_text())
+            # a process that died although no fault killed it crashed
+            killed = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}.get(fault)
+            crashed = [
+                f"{r} (exit {p.proc.returncode})"
+                for r, p in procs.items()
+                if r in ("relay", "main") and r != killed and p.proc.poll() is not None
+            ]
+        finally:
+            for p in procs.values():
+                p.kill()
+        log = [f"[{r}] {line}" for r, p in procs.items() for line in p.lines[-40:]]
+    return {
+        "fault": fault,
+        "link": f"emulated WAN ({wan.backend})" if wan is not None else "loopback",
+        "injected": injected,
+        "log": log,
+        "wall_s": time.monotonic() - t0,
+        "crashed": crashed,
+        **data,
+    }
+
+
+_REF_MODEL: list[ReferenceModel] = []
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """Single-instance greedy decoding of ``prompt`` for ``n`` tokens."""
+    if not _REF_MODEL:
+        _REF_MODEL.append(ReferenceModel.create(TINY, num_blocks=512))
+    model = _REF_MODEL[0]
+    seq = model.new_sequence()
+    model.reserve(seq, len(prompt) + n)
+    tok = greedy(model.prefill(seq, prompt))
+    out = [tok]
+    while len(out) < n:
+        tok = greedy(model.decode_step(seq, tok))
+        out.append(tok)
+    model.release(seq)
+    return out
+
+
+def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
+    """Classify an episode's requests and block accounting.
+
+    Returns:
+        counts: ``requests``, ``completed``, ``typed_errors``, ``lost``, ``hung``,
+        ``corrupted``, ``leaked_blocks``, ``unaccounted`` (accounting not
+        checkable: a killed process), and ``errors`` (distinct reasons).
+    """
+    out: dict[str, Any] = dict.fromkeys(
+        ("requests", "completed", "typed_errors", "lost", "hung", "corrupted", "leaked_blocks"), 0
+    )
+    out.update(wrong_token=0, duplicate_position=0, missing_position=0, hung_error_at_p=0)
+    out["bad_requests"] = []
+    reasons: dict[str, int] = {}
+    for rec in ep["requests"]:
+        out["requests"] += 1
+        ref = reference(rec["prompt"], rec["max_tokens"])
+        positions = [t[0] for t in rec["tokens"]]
+        dup = len(set(positions)) != len(positions)
+        wrong = any(pos >= len(ref) or ref[pos] != tok for pos, tok in rec["tokens"])
+        holes = rec["outcome"] == "finished" and sorted(set(positions)) != list(
+            range(rec["max_tokens"])
+        )
+        out["wrong_token"] += int(wrong)
+        out["duplicate_position"] += int(dup)
+        out["missing_position"] += int(holes)
+        bad = dup or wrong or holes
+        if rec["outcome"] == "finished":
+            out["completed"] += 1
+        elif rec["outcome"] == "error":
+            out["typed_errors"] += 1
+            key = (rec["error"] or "?").split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        elif rec["outcome"] == "hung":
+            out["hung"] += 1
+            out["hung_error_at_p"] += int(bool(rec.get("error_at_p")))
+        else:
+            out["lost"] += 1
+        out["corrupted"] += int(bad)
+        if bad or rec["outcome"] in ("hung", None):
+            # keep the evidence (the reference too) for the report
+            out["bad_requests"].append({**rec, "reference": ref})
+    unaccounted = []
+    p = ep.get("p")
+    if p is not None:
+        out["leaked_blocks"] += p["held_blocks"] + (p["baseline_free_blocks"] - p["free_blocks"])
+    else:
+        unaccounted.append("p (killed)")
+    for role, doc in (ep.get("decoders") or {}).items():
+        if doc is None:
+            unaccounted.append(f"{role} (unreachable)")
+            continue
+        out["leaked_blocks"] += doc["num_blocks"] - doc["free_blocks"] - doc["cache_blocks"]
+        out["hung"] += doc["active"]  # a decoder still working on a request after settling
+    out["crashed"] = len(ep.get("crashed", []))
+    out["unaccounted"] = unaccounted
+    out["errors"] = reasons
+    growth = [p["rss_growth_kb"]] if p is not None else []
+    for role, doc in (ep.get("decoders") or {}).items():
+        first = (ep.get("decoders_start") or {}).get(role)
+        if doc is not None and first is not None:
+            growth.append(doc["rss_kb"] - first["rss_kb"])
+    out["rss_growth_kb"] = max(growth, default=0)
+    return out
+
+
+def _plan(args: argparse.Namespace, faults: list[str]) -> list[str]:
+    """quick: each fault once; soak: every fault once, then random ones."""
+    if args.quick:
+        return list(faults)
+    rng = random.Random(args.seed)
+    return [*faults, *(rng.choice(faults) for _ in range(100_000))]
+
+
+def main(args: argparse.Namespace) -> int:
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        print(f"unknown faults: {sorted(unknown)}; choose from {FAULTS}")
+        return 2
+    total = args.duration if args.duration is not None else (50.0 if args.quick else 120.0)
+    episode_s = 3.0 if args.quick else args.episode
+    deadline_s = args.deadline if args.deadline else (8.0 if args.quick else 15.0)
+    plan = _plan(args, faults)
+    if not args.loopback:
+        reason = unavailable_reason()  # probe once, before the threads race on it
+        if reason is None:
+            netem_available()  # the same: its probe namespace has a fixed name
+        else:
+            print(f"pddnet bench faults: no emulated WAN ({reason}); running on loopback")
+    t0 = time.monotonic()
+    rss0 = _rss_kb(os.getpid())
+    results: list[tuple[int, str, dict[str, Any]]] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    next_i = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next_i[0]
+                # start an episode only if it can finish within the total time
+                if i >= len(plan) or (
+                    not args.quick and time.monotonic() - t0 + episode_s + 5 > total
+                ):
+                    return
+                next_i[0] += 1
+            fault = plan[i]
+            try:
+                ep = _episode(i, fault)
+            except Exception as exc:  # an episode that could not run is reported, not hidden
+                with lock:
+                    failures.append(f"episode {i} ({fault}): {type(exc).__name__}: {exc}")
+                    print(f"  episode {i} {fault:<12} FAILED TO RUN: {exc}", flush=True)
+                continue
+            res = check_episode(ep)
+            with lock:
+                results.append((i, fault, {**ep, "result": res}))
+                print(
+                    f"  episode {i} {fault:<12} {res['completed']:>3} ok "
+                    f"{res['typed_errors']:>3} err {res['hung']} hung {res['lost']} lost "
+                    f"{res['corrupted']} corrupt {res['leaked_blocks']} leaked "
+                    f"({ep['injected']}; {ep['link']}; {ep['wall_s']:.0f}s)",
+                    flush=True,
+                )
+
+    def _episode(i: int, fault: str) -> dict[str, Any]:
+        return run_episode(
+            fault,
+            seed=args.seed * 1000 + i,
+            duration_s=episode_s,
+            concurrency=args.concurrency,
+            loopback=args.loopback,
+            fault_at=(0.5, max(0.6, episode_s / 2)),
+            routes=tuple(args.routes.split(",")),
+            request_timeout_s=deadline_s,
+        )
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, args.parallel))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.sort(key=lambda r: r[0])
+    rows = []
+    for i, fault, ep in results:
+        res = ep["result"]
+        rows.append(
+            {
+                "episode": i,
+                "fault": fault,
+                **{
+                    k: v
+                    for k, v in res.items()
+                    if k not in ("errors", "unaccounted", "bad_requests")
+                },
+                "unaccounted": ",".join(res["unaccounted"]) or "-",
+                "wall_s": round(ep["wall_s"], 1),
+            }
+        )
+    keys = (
+        "completed",
+        "typed_errors",
+        "lost",
+        "hung",
+        "hung_error_at_p",
+        "corrupted",
+        "wrong_token",
+        "missing_position",
+        "duplicate_position",
+        "leaked_blocks",
+        "crashed",
+    )
+    summary: dict[str, Any] = {k: sum(r[k] for r in rows) for k in keys}
+    summary.update(
+        episodes=len(rows),
+        requests=sum(r["requests"] for r in rows),
+        rss_growth=1024 * max((r["rss_growth_kb"] for r in rows), default=0),
+        bench_rss_growth=1024 * (_rss_kb(os.getpid()) - rss0),
+        request_deadline_s=deadline_s,
+        elapsed_s=time.monotonic() - t0,
+        link=results[0][2]["link"] if results else "-",
+        faults_seen=sorted({f for _, f, _ in results}),
+        episodes_failed_to_run=failures,
+    )
+    print_table(rows, title="\nfault episodes")
+    print_table([{"metric": k, "value": v} for k, v in summary.items()], title="summary")
+    episodes = [
+        {k: v for k, v in ep.items() if k != "requests"} | {"episode": i} for i, _, ep in results
+    ]
+    write_report(args.json, summary, episodes=episodes, rows=rows)
+    ok = not failures and all(
+        summary[k] == 0 for k in ("lost", "hung", "corrupted", "leaked_blocks", "crashed")
+    )
+    return 0 if ok else 1
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
