@@ -156,11 +156,6 @@ def test_kill_p_is_probed(kill_p_episode: dict[str, Any]) -> None:
     assert set(kill_p_episode["decoders"]) == {"relay", "main"}
 
 
-@pytest.mark.xfail(
-    reason="known bug (docs/reliability.md, bug 2): when P (the sink) dies, a decoder's emit "
-    "raises TransferTimeout out of the handoff driver and the decoder process dies",
-    strict=False,
-)
 def test_kill_p_mid_request(kill_p_episode: dict[str, Any]) -> None:
     res = check_episode(kill_p_episode)
     detail = f"{res} ({kill_p_episode['injected']})"

@@ -61,3 +61,33 @@ async def test_garbage_is_rejected_without_reading_past_a_frame() -> None:
         a.send(b"GET / HTTP/1.1\r\n" * 10)
         with pytest.raises(AuthError):
             await authenticate(b, SECRET, AuthRole.RESPONDER)
+
+
+async def test_wan_streams_authenticate_before_any_chunk() -> None:
+    import os
+
+    from pddnet import PddnetError
+    from pddnet.kv import ByteRanges
+    from pddnet.transport.wan import WanReceiver, WanSender
+
+    n = 1 << 20
+    ranges = ByteRanges.build([0], [0], [n], [0])
+    src = bytearray(os.urandom(n))
+    async with WanReceiver(secret=SECRET) as rx:
+        dst = bytearray(n)
+        async with WanSender(rx.address, secret=SECRET, streams=2) as tx:
+            grant = rx.grant([dst], ranges, timeout=10)
+            with trio.fail_after(10):
+                await tx.send(grant, [src], ranges, timeout=10)
+                await rx.wait_transfer(grant.transfer_id)
+        assert dst == src and rx.auth_failures == 0
+        # a sender with another secret never gets a chunk in
+        dst2 = bytearray(n)
+        grant2 = rx.grant([dst2], ranges, timeout=10)
+        async with WanSender(
+            rx.address, secret=b"not-the-secret-0123456789", streams=2, peer_timeout=1.0
+        ) as bad:
+            with trio.fail_after(10), pytest.raises(PddnetError):
+                await bad.send(grant2, [src], ranges, timeout=3)
+        assert rx.auth_failures >= 1 and bad.auth_failures >= 1
+        assert dst2 == bytearray(n)  # untouched

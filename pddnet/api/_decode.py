@@ -119,7 +119,7 @@ class _DecodeEndpoint:
         lease_s: float = 10.0,
         receiver: Receiver | None = None,
         step_time_s: float = 0.0,
-        watch_interval_s: float = 0.5,
+        watch_interval_s: float = 2.0,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -140,7 +140,7 @@ class _DecodeEndpoint:
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
 
     def _default_receiver(self, data_host: str) -> Receiver:
-        return WanReceiver(host=data_host)
+        return WanReceiver(host=data_host, secret=self.node.key)
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Any:
@@ -439,7 +439,7 @@ class RelayEndpoint(_DecodeEndpoint):
         # else TCP with a one-time warning
         if local_available():
             return open_local_receiver()
-        return WanReceiver(host=data_host)
+        return WanReceiver(host=data_host, secret=self.node.key)
 
     async def _serve(self, req: _Request) -> None:
         try:

@@ -207,10 +207,14 @@ class PrefillEndpoint:
             raise LocalProtocolError(f"{info.name} is a {info.role} endpoint, not a decoder")
         self.pool.layout.check_compatible(info.layout)
         await self.node.connect(info.name, info.control)
+        # TCP streams prove the shared secret before any chunk
         if info.role == "relay":  # UCX for a ucx: address, else TCP
-            sender = open_local_sender(info.data, **self._local_options)
+            extra: dict[str, Any] = (
+                {} if info.data.startswith("ucx:") else {"secret": self.node.key}
+            )
+            sender = open_local_sender(info.data, **extra, **self._local_options)
         else:
-            sender = WanSender(info.data, **self._wan_options)
+            sender = WanSender(info.data, secret=self.node.key, **self._wan_options)
         scope = trio.CancelScope()
         await self._sender_nursery.start(self._run_sender, sender, scope)
         old = self._sender_scopes.pop(info.name, None)

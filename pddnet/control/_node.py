@@ -75,7 +75,9 @@ K_DEFAULT_TIMEOUT = 5.0
 K_INBOX_SIZE = 1024
 K_HWM = 10_000
 K_WRITE_RECHECK_S = 0.02
-K_HEARTBEAT_MS = 1000  # zmq-level pings; a silent connection dies after 3 s
+K_HEARTBEAT_MS = 2000  # zmq-level pings
+# A silent connection dies after 30 s; shorter, and a WAN blip would drop queued frames.
+K_HEARTBEAT_TIMEOUT_MS = 30_000
 # Plain ints: zmq's flag enums cost microseconds per operation on this hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -105,6 +107,7 @@ class _Pump:
     def __init__(self, sock: zmq.Socket[Any], peer: str | None) -> None:
         self.sock = sock
         self.peer = peer  # a DEALER's fixed peer; None for the ROUTER
+        self.address = ""  # a DEALER's peer address
         self.fd = typing.cast(int, sock.getsockopt(zmq.FD))
         self.guard = ReplayGuard()
         self.wait_scope: trio.CancelScope | None = None
@@ -237,7 +240,7 @@ class ControlNode:
         sock.setsockopt(zmq.RCVHWM, K_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + 1024)
         sock.setsockopt(zmq.HEARTBEAT_IVL, K_HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * K_HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, K_HEARTBEAT_TIMEOUT_MS)
         return sock
 
     # --------------------------------------------------------------- public
@@ -264,11 +267,17 @@ class ControlNode:
         """Open (or replace) our DEALER to ``peer`` at ``address``.
 
         zmq connects in the background: an absent peer shows up as a
-        :class:`TransferTimeout` on the first :meth:`request`.
+        :class:`TransferTimeout` on the first :meth:`request`. Connecting again
+        to the same address keeps the open connection: the peer would ignore a
+        second connection under our name until it noticed the first one close
+        (no ``ROUTER_HANDOVER``), and drop what we sent on it.
         """
         await trio.lowlevel.checkpoint()
         if self._nursery is None:
             raise LocalProtocolError("node is not running; use 'async with'", peer=peer)
+        current = self._dealers.get(peer)
+        if current is not None and current.address == address:
+            return
         old = self._dealers.pop(peer, None)
         if old is not None:
             old.close()
@@ -279,6 +288,7 @@ class ControlNode:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(address)
         pump = _Pump(sock, peer)
+        pump.address = address
         self._dealers[peer] = pump
         self._nursery.start_soon(self._reader, pump)
 
@@ -340,6 +350,11 @@ class ControlNode:
         t0 = trio.current_time()
         await self.request(peer, Ping(), timeout=timeout)
         return trio.current_time() - t0
+
+    @property
+    def key(self) -> bytes:
+        """The shared secret; the data plane's handshake proves the same one."""
+        return self._key
 
     def peers(self) -> set[str]:
         """Peers we opened a DEALER to."""

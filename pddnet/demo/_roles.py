@@ -32,6 +32,7 @@ from ..api import (
     StatsRequest,
     new_request_id,
 )
+from ..control import load_secret
 from ..handoff import HandoffParams
 from ..recompute import TINY, ReferenceModel, greedy
 from ..route import LinkEstimate, Route, RoutePolicy, Router
@@ -59,7 +60,7 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     # network namespaces did not connect here, so the demo defaults to TCP.
     receiver = None
     if role == "relay" and cfg.get("local_path", "tcp") == "tcp":
-        receiver = WanReceiver(host=cfg["data_host"])
+        receiver = WanReceiver(host=cfg["data_host"], secret=load_secret())
     # Multi-turn sessions: when RLD finishes first, the prompt's KV still goes
     # to MD's cache, because the session's next turn starts with it.
     extra: dict[str, Any] = (

@@ -21,13 +21,17 @@ from typing import Any
 import trio
 
 from ..._errors import (
+    AuthError,
     LocalProtocolError,
     PddnetError,
+    PeerUnavailable,
     RemoteProtocolError,
     TransferCancelled,
 )
 from ...kv import ByteRanges
 from ...wire import K_CHUNK_HEADER_SIZE, ChunkHeader
+from ...wire._auth import AuthRole
+from .._auth import authenticate
 from .._base import Grant, Receiver, views_of
 from ._acceptor import Action, Event, GrantTable, LayerVerified, TransferEnded, TransferVerified
 from ._framing import K_LINK_MAGIC, LinkCode, LinkFrame, LinkKind
@@ -89,6 +93,8 @@ class WanReceiver(Receiver):
         port: port (0 picks one).
         max_chunk: largest chunk payload accepted; bigger is a protocol error.
         buffer_bytes: ``SO_RCVBUF`` of each connection.
+        secret: if set, a connection must prove the shared secret
+            (challenge-response) before a single chunk header is read.
     """
 
     def __init__(
@@ -98,10 +104,13 @@ class WanReceiver(Receiver):
         *,
         max_chunk: int = K_DEFAULT_MAX_CHUNK,
         buffer_bytes: int = K_DEFAULT_BUFFER,
+        secret: bytes | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.buffer_bytes = buffer_bytes
+        self.secret = secret
+        self.auth_failures = 0
         self._table = GrantTable(max_chunk)
         self._waiters: dict[int, _Waiter] = {}
         self._ended: dict[int, _Waiter] = {}
@@ -289,6 +298,15 @@ class WanReceiver(Receiver):
             close(self._listener)
 
     async def _serve(self, sock: Any) -> None:
+        if self.secret is not None:
+            try:
+                await authenticate(sock, self.secret, AuthRole.RESPONDER, channel="wan")
+            except (AuthError, PeerUnavailable) as exc:
+                self.auth_failures += 1
+                if self.auth_failures == 1:
+                    log.warning("dropping an unauthenticated WAN connection: %s", exc)
+                close(sock)
+                return
         conn = _Conn(sock)
         self._conns.add(conn)
         try:

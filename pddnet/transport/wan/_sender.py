@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 from ..._errors import (
+    AuthError,
     LocalProtocolError,
     PddnetError,
     PeerUnavailable,
@@ -34,6 +35,8 @@ from ..._errors import (
 )
 from ...kv import ByteRanges
 from ...wire import K_CHUNK_HEADER_SIZE, ChecksumAlgo, ChunkHeader
+from ...wire._auth import AuthRole
+from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
 from ._framing import LinkCode, LinkFrame, LinkKind
 from ._io import EndOfStream, close, connect, digest_of, recv_exact, send_all
@@ -214,6 +217,8 @@ class WanSender(Sender):
             urgent chunks must cross (docs/wan.md); None: off.
         buffer_bytes: ``SO_SNDBUF``/``SO_RCVBUF`` of each stream.
         notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables).
+        secret: if set, every stream proves the shared secret to the receiver
+            (challenge-response, :mod:`pddnet.transport._auth`) before any chunk.
         peer_timeout: seconds with no stream connected (or unacknowledged data
             stuck, via ``TCP_USER_TIMEOUT``) before running transfers fail with
             PeerUnavailable.
@@ -239,6 +244,7 @@ class WanSender(Sender):
         notsent_lowat: int = K_DEFAULT_NOTSENT_LOWAT,
         peer_timeout: float = 10.0,
         max_backoff: float = 1.0,
+        secret: bytes | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -255,6 +261,8 @@ class WanSender(Sender):
         self.buffer_bytes = buffer_bytes
         self.notsent_lowat = notsent_lowat
         self.peer_timeout = peer_timeout
+        self.secret = secret
+        self.auth_failures = 0
         self.max_backoff = max_backoff
         self._sched = Scheduler(chunk_size, policy=policy, max_copies=2 if hedge else 1)
         self._sched.active_streams = streams
@@ -528,6 +536,8 @@ class WanSender(Sender):
             if self._applied_rate is not None and s.index < self._nbulk:
                 set_pacing_rate(sock, self._applied_rate)
             await connect(sock, self._addr)
+            if self.secret is not None:
+                await authenticate(sock, self.secret, AuthRole.INITIATOR, channel="wan")
         except BaseException:
             close(sock)
             raise
@@ -538,7 +548,11 @@ class WanSender(Sender):
         while True:
             try:
                 sock = await self._connect(s)
-            except OSError as exc:
+            except (OSError, AuthError, PeerUnavailable) as exc:
+                if isinstance(exc, AuthError):
+                    self.auth_failures += 1
+                    if self.auth_failures == 1:
+                        log.warning("stream to %s: authentication failed: %s", self.address, exc)
                 log.debug("stream %d: connect to %s failed: %s", s.index, self.address, exc)
                 await trio.sleep(backoff * (0.5 + secrets.randbelow(1000) / 1000))
                 backoff = min(backoff * 2, self.max_backoff)
