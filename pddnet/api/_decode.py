@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import logging
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ class _Request:
     done: bool = False
 
 
-class _DecodeEndpoint:
+class _DecodeEndpoint(ABC):
     role = ""
 
     def __init__(
@@ -288,8 +289,9 @@ class _DecodeEndpoint:
         self.engine.start(req.rid, req.prompt.tolist(), req.table, req.first_token)
         req.landed.set()
 
+    @abstractmethod
     async def _serve(self, req: _Request) -> None:
-        raise NotImplementedError
+        """Receive the request's KV and drive its handoff to the end."""
 
     async def _finish(self, req: _Request, error: PddnetError | None) -> None:
         if req.driver is not None:
@@ -313,7 +315,8 @@ class _DecodeEndpoint:
             req.owned = []
 
     def _release_plan(self, req: _Request) -> None:
-        pass
+        """Unpin the request's cached prefix (MD); RLD pins nothing."""
+        del req
 
     async def _tell_sink_abort(self, req: _Request, reason: str) -> None:
         try:
@@ -402,8 +405,9 @@ class _DecodeEndpoint:
         if req is not None:
             self._free(req, landed=False)
 
+    @abstractmethod
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
-        raise NotImplementedError
+        """Stop the request's WAN transfer (the link's hook for the driver)."""
 
 
 class RelayEndpoint(_DecodeEndpoint):

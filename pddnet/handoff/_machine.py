@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ __all__ = ["HandoffMachine"]
 log = logging.getLogger("pddnet.handoff")
 
 
-class HandoffMachine:
+class HandoffMachine(ABC):
     """Base of :class:`RelayHandoff` and :class:`MainHandoff`.
 
     Subclasses set ``TABLE``, ``ERROR`` and ``HANDLERS`` (event type ->
@@ -53,13 +54,13 @@ class HandoffMachine:
         return self._error
 
     @property
+    @abstractmethod
     def may_decode(self) -> bool:
         """Whether this side may run the next decode step (and emit)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def get_timer(self) -> float | None:
         """The next deadline at which the driver must feed ``Timer``, or None."""
-        raise NotImplementedError
 
     @property
     def done(self) -> bool:

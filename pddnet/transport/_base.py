@@ -93,9 +93,9 @@ class Transfer(ABC):
             LocalProtocolError: if the range is outside the grant.
         """
 
+    @abstractmethod
     def mark_layer_ready(self, layer: int) -> None:
         """Declare one layer of the grant ready (see :meth:`mark_ready`)."""
-        raise NotImplementedError
 
     @abstractmethod
     async def wait(self) -> None:

@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import struct
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -200,7 +201,7 @@ def _error_for(code: int, tid: int, peer: str) -> PddnetError:
     return TransferCancelled("the peer cancelled the transfer", transfer_id=tid, peer=peer)
 
 
-class _Service:
+class _Service(ABC):
     """A worker plus the nursery that progresses it and runs timers."""
 
     _worker: UcxWorker
@@ -246,8 +247,9 @@ class _Service:
 
         self._worker.recv(buf, tag, done)
 
+    @abstractmethod
     def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
-        raise NotImplementedError
+        """Handle one control message (receiver and sender differ)."""
 
     def _send_ctrl(self, ep: Any, tag: int, msg: bytes) -> None:
         def done(req: Any, err: BaseException | None) -> None:
