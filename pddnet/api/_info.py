@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import trio
 
-from .._errors import LocalProtocolError, RemoteProtocolError, TransferTimeout
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, TransferTimeout
 from ..control import ControlNode
 from ..kv import KVLayout
 from ._messages import Lookup, LookupReply, Register
@@ -138,6 +139,36 @@ class Rendezvous:
                 await trio.sleep(0.05)
             return EndpointInfo.from_blob(self._blobs[(engine_id, rank)])
         raise TransferTimeout(f"{engine_id}/{rank} did not register within {timeout:g}s")
+
+    @staticmethod
+    async def join(
+        endpoint: Any, at: str, address: str, peers: Sequence[str], *, timeout: float = 30.0
+    ) -> None:
+        """Register ``endpoint`` on the rendezvous node ``at`` (``address``), then
+        look up every engine id in ``peers`` (rank 0) and connect to it, retrying
+        until each is registered.
+
+        Raises:
+            TransferTimeout: if that does not happen within ``timeout`` seconds.
+        """
+        await endpoint.node.connect(at, address)
+        with trio.move_on_after(timeout):
+            while True:
+                try:
+                    await Rendezvous.register(endpoint.node, at, endpoint.info(), timeout=1.0)
+                    break
+                except PddnetError:
+                    await trio.sleep(0.1)
+            for engine_id in peers:
+                while True:
+                    try:
+                        info = await Rendezvous.lookup(endpoint.node, at, engine_id, 0, timeout=1.0)
+                        break
+                    except PddnetError:
+                        await trio.sleep(0.1)
+                await endpoint.connect_peer(info)
+            return
+        raise TransferTimeout(f"rendezvous at {at} did not complete within {timeout:g}s")
 
     @staticmethod
     async def register(

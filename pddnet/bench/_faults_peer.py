@@ -57,15 +57,6 @@ class FaultProbeReply(Message):
     payload: bytes
 
 
-async def _retry(make: Any, timeout: float = 30.0) -> Any:
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                return await make()
-            except PddnetError:
-                await trio.sleep(0.1)
-
-
 async def decoder(role: str, cfg: dict[str, Any]) -> None:
     model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
     cls = RelayEndpoint if role == "relay" else MainEndpoint
@@ -101,11 +92,7 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
             return FaultProbeReply(bytes(msgpack.packb(doc)))
 
         ep.node.route(FaultProbe, on_probe)
-        await ep.node.connect("p", cfg["control"]["prefill"])
-        await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()))
-        for engine_id in ("p", other):
-            info = await _retry(lambda: Rendezvous.lookup(ep.node, "p", engine_id, 0))  # noqa: B023
-            await ep.connect_peer(info)
+        await Rendezvous.join(ep, "p", cfg["control"]["prefill"], ("p", other))
         print(f"{role}: ready", flush=True)
         await trio.sleep_forever()
 

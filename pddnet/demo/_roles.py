@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgpack
@@ -42,15 +41,6 @@ from ._workload import DemoRequest, make_sessions
 T = TypeVar("T")
 
 
-async def _retry(make: Callable[[], Awaitable[T]], what: str, timeout: float = 30.0) -> T:
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                return await make()
-            except PddnetError:
-                await trio.sleep(0.1)
-
-
 async def decoder(role: str, cfg: dict[str, Any]) -> None:
     model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
     cls = RelayEndpoint if role == "relay" else MainEndpoint
@@ -78,11 +68,7 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
         receiver=receiver,
         **extra,
     ) as ep:
-        await ep.node.connect("p", cfg["rendezvous"])
-        await _retry(lambda: Rendezvous.register(ep.node, "p", ep.info()), "register")
-        for engine_id in ("p", other):
-            info = await _retry(lambda: Rendezvous.lookup(ep.node, "p", engine_id, 0), engine_id)  # noqa: B023
-            await ep.connect_peer(info)
+        await Rendezvous.join(ep, "p", cfg["rendezvous"], ("p", other))
         print(f"{role}: ready at {ep.info().control}", flush=True)
         await trio.sleep_forever()
 
