@@ -215,3 +215,46 @@ async def test_strange_traffic_cuts_off_or_feeds_the_cache(keep: bool) -> None:
         else:
             assert released.error is not None  # cancelled at the source
             assert len(md.cache) == 0 and md.statistics().free_blocks == NB
+
+
+async def test_request_deadline_bounds_the_wait_for_kv() -> None:
+    """MD never gets its KV: the request fails with an Abort to the sink within
+    its deadline, MD frees its blocks and P's lease ends with an error."""
+    pm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(2))
+    sink = Sink()
+    async with (
+        ControlNode("user", secret=KEY) as user,
+        PrefillEndpoint("p", pm.pool, secret=KEY) as p,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY) as md,
+    ):
+        user.route(Emitted, sink.on_emit)
+        user.route(Abort, sink.on_abort)
+        await p.connect_peer(md.info())
+        await md.connect_peer(p.info())
+        await md.node.connect("user", user.address)
+        prompt = list(range(200))
+        seq = pm.new_sequence()
+        pm.reserve(seq, len(prompt))
+        t0 = trio.current_time()
+        # ready=False and no layer ever marked: the KV never leaves P
+        await p.submit(
+            3,
+            prompt,
+            seq.block_table.tolist(),
+            1,
+            8,
+            sink="user",
+            route=Route.P_MD,
+            ready=False,
+            deadline_s=1.0,
+        )
+        with trio.fail_after(10):
+            while 3 not in sink.ended:
+                await trio.sleep(0.01)
+            released = await p.next_event()
+            while md.statistics().active:
+                await trio.sleep(0.01)
+        assert sink.ended[3].startswith("aborted")
+        assert trio.current_time() - t0 < 5  # the deadline, not the 30 s default
+        assert released.error is not None and p.statistics().held_blocks == 0
+        assert md.statistics().free_blocks == NB and md.drc.open_plans == 0

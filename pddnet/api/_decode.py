@@ -45,6 +45,7 @@ from ..handoff import (
     HandoffParams,
     MainDriver,
     RelayDriver,
+    RelayState,
 )
 from ..handoff._driver import HandoffDriver
 from ..kv import KVPool, block_ranges
@@ -91,11 +92,13 @@ class _Request:
     sink: str
     table: list[int]
     owned: list[int]  # blocks this request allocated (the rest are cache hits)
+    params: HandoffParams = field(default_factory=HandoffParams)
     transfer_id: int = 0
     plan_id: int | None = None
     driver: HandoffDriver | None = None
     landed: trio.Event = field(default_factory=trio.Event)
     keep: bool = False  # strange traffic, but the transfer goes on to feed the cache
+    delivered_final: bool = False  # the sink got this request's last token from us
     next_pos: int = 0
     finish_pos: int = -1
     emitted: int = 0
@@ -226,6 +229,7 @@ class _DecodeEndpoint(ABC):
             msg.sink,
             [],
             [],
+            self._params_for(msg.deadline_s),
         )
         skip, hit_ids = self._skip(req, prompt)
         total_blocks = -(-(prompt.size + msg.max_tokens) // bs)
@@ -244,7 +248,7 @@ class _DecodeEndpoint(ABC):
             self.pool.host_views(),
             ranges,
             num_layers=self.pool.layout.num_layers,
-            timeout=self.params.kv_timeout_s,
+            timeout=req.params.kv_timeout_s,
         )
         req.transfer_id = grant.transfer_id
         self._stats["blocks_received"] += len(dst)
@@ -261,6 +265,16 @@ class _DecodeEndpoint(ABC):
             grant.address,
             skip,
             self.lease_s,
+        )
+
+    def _params_for(self, deadline_s: float) -> HandoffParams:
+        """The endpoint's handoff parameters, with waits capped by the request's deadline."""
+        if not deadline_s > 0:
+            return self.params
+        return dataclasses.replace(
+            self.params,
+            kv_timeout_s=min(self.params.kv_timeout_s, deadline_s),
+            idle_timeout_s=min(self.params.idle_timeout_s, deadline_s / 2),
         )
 
     # -------------------------------------------------------------- serving
@@ -398,6 +412,7 @@ class _DecodeEndpoint(ABC):
                 req.driver.cancel()
             return
         req.emitted += 1
+        req.delivered_final = req.delivered_final or msg.finished
         self._stats["tokens_emitted"] += 1
 
     async def free_blocks(self, request_id: int) -> None:
@@ -455,12 +470,13 @@ class RelayEndpoint(_DecodeEndpoint):
             await self._finish(req, exc)
             return
         driver = self._start_driver(
-            req, RelayDriver(self, self._link(req.main), req.rid, self.params)
+            req, RelayDriver(self, self._link(req.main), req.rid, req.params)
         )
         result = await driver.run()
         await self._finish(req, result.error)
-        if result.error is not None:
-            await self._tell_sink_abort(req, str(result.error))
+        # RLD answers for the stream unless it handed the request to MD.
+        if not req.delivered_final and result.state is not RelayState.RELEASED:
+            await self._tell_sink_abort(req, _why(result))
 
     async def _notify(self, peer: str, msg: Message) -> None:
         try:
@@ -572,7 +588,7 @@ class MainEndpoint(_DecodeEndpoint):
     async def _serve(self, req: _Request) -> None:
         driver = self._start_driver(
             req,
-            MainDriver(self, self._link(req.relay), req.rid, self.params, relayed=bool(req.relay)),
+            MainDriver(self, self._link(req.relay), req.rid, req.params, relayed=bool(req.relay)),
         )
         async with trio.open_nursery() as nursery:
 
@@ -594,8 +610,11 @@ class MainEndpoint(_DecodeEndpoint):
                 nursery.cancel_scope.cancel()
             # else: the transfer still runs to feed the cache; land() ends with it
         await self._finish(req, result.error)
-        if result.error is not None and not req.relay:
-            await self._tell_sink_abort(req, str(result.error))
+        # MD answers for the stream on P->MD, and on P->RLD->MD once it took over.
+        machine: Any = driver.machine
+        took_over = machine.statistics(trio.current_time()).takeover_position is not None
+        if not req.delivered_final and (not req.relay or took_over):
+            await self._tell_sink_abort(req, _why(result))
 
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
         req = self._reqs.get(request_id)
@@ -610,6 +629,13 @@ class MainEndpoint(_DecodeEndpoint):
         req = self._reqs.get(request_id)
         if req is not None and not req.keep:
             self._free(req, landed=False)
+
+
+def _why(result: Any) -> str:
+    """A human reason for a request that ended without its last token."""
+    if result.error is not None:
+        return f"{type(result.error).__name__}: {result.error}"
+    return f"ended in {getattr(result.state, 'name', result.state)} without finishing"
 
 
 def _plain(obj: Any) -> Any:

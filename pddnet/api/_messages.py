@@ -28,6 +28,8 @@ class KvOffer(Message):
     token P's prefill produced (position 0 of the user's stream). ``relay``
     and ``main`` name the request's RLD and MD ("" when the route has none),
     and ``sink`` the node that receives the user's token stream.
+    ``deadline_s`` (seconds from now, 0 = none) caps every wait the decoder
+    makes for this request: the KV landing, and batches from the other side.
     """
 
     request_id: int
@@ -37,6 +39,7 @@ class KvOffer(Message):
     relay: str
     main: str
     sink: str
+    deadline_s: float = 0.0
 
 
 @message(65)

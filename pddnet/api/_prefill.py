@@ -253,6 +253,7 @@ class PrefillEndpoint:
         relay: str | None = None,
         main: str | None = None,
         ready: bool = True,
+        deadline_s: float | None = None,
     ) -> Submission:
         """Route a prefilled request and start shipping its KV.
 
@@ -266,6 +267,8 @@ class PrefillEndpoint:
             route: force a route; None lets the router decide.
             relay, main: pick peers by name (default: the first connected).
             ready: False to stream layer by layer (:meth:`mark_layer_ready`).
+            deadline_s: the request's deadline in seconds: the decoders give up
+                waiting for its KV or batches after it, with a typed error.
 
         Returns:
             The route taken and the blocks sent each way. Completion shows up
@@ -307,6 +310,7 @@ class PrefillEndpoint:
             relay_peer,
             main_peer,
             sink,
+            float(deadline_s or 0.0),
         )
         dests = [main_peer] + ([relay_peer] if relay_peer else [])
         self._reqs[request_id] = req = _Req(request_id)
@@ -341,7 +345,7 @@ class PrefillEndpoint:
                 views,
                 src,
                 priority=1 if dest == relay_peer else 0,
-                timeout=self.timeout,
+                timeout=min(self.timeout, deadline_s or self.timeout),
                 ready=ready,
             )
             req.outs[dest] = out = _Out(dest, transfer, src.total, time.monotonic())
