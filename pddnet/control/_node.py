@@ -167,7 +167,7 @@ class ControlNode:
         self._clock = SeqClock()
         # type -> (handler, is_async)
         self._routes: dict[type[Message], tuple[Handler, bool]] = {Ping: (_on_ping, False)}
-        self._dispatching = False
+        self._queued = 0  # frames handed to the dispatcher and not yet handled
         self._dealers: dict[str, _Pump] = {}
         self._router: _Pump | None = None
         self._pending: dict[int, tuple[trio.Event, list[Frame]]] = {}
@@ -479,15 +479,13 @@ class ControlNode:
             waiter[0].set()
             return
         route = self._routes.get(type(frame.message))
-        if (
-            route is not None
-            and not route[1]
-            and not self._dispatching
-            and not self._inbox_send.statistics().current_buffer_used
-        ):
-            # Nothing is queued ahead: a plain handler runs here, in order.
+        if route is not None and not route[1] and not self._queued:
+            # Nothing is queued ahead: a plain handler runs here, in order. (The
+            # count, not the channel's buffer, decides: a frame handed straight
+            # to a waiting dispatcher is in no buffer but not handled yet.)
             await self._handle(pump, peer, frame, route)
             return
+        self._queued += 1
         try:
             self._inbox_send.send_nowait((pump, peer, frame))
         except trio.WouldBlock:
@@ -501,11 +499,10 @@ class ControlNode:
 
     async def _dispatcher(self) -> None:
         async for pump, peer, frame in self._inbox_recv:
-            self._dispatching = True
             try:
                 await self._handle(pump, peer, frame, self._routes.get(type(frame.message)))
             finally:
-                self._dispatching = False
+                self._queued -= 1
 
     async def _handle(
         self, pump: _Pump, peer: str, frame: Frame, route: tuple[Handler, bool] | None
