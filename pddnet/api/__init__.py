@@ -21,11 +21,9 @@ from ._lease import Lease, LeaseTable
 from ._messages import (
     Abort,
     Emitted,
-    Generate,
     KvAccept,
     KvOffer,
     LeaseRenew,
-    Served,
     StatsReply,
     StatsRequest,
 )
@@ -39,7 +37,6 @@ __all__ = [
     "DecodeStatistics",
     "Emitted",
     "EndpointInfo",
-    "Generate",
     "KvAccept",
     "KvOffer",
     "Lease",
@@ -51,7 +48,6 @@ __all__ = [
     "ReferenceEngine",
     "RelayEndpoint",
     "Rendezvous",
-    "Served",
     "StatsReply",
     "StatsRequest",
     "Submission",

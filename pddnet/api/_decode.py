@@ -102,7 +102,6 @@ class _Request:
     next_pos: int = 0
     finish_pos: int = -1
     emitted: int = 0
-    done: bool = False
 
 
 class _DecodeEndpoint(ABC):
@@ -311,7 +310,6 @@ class _DecodeEndpoint(ABC):
         if req.driver is not None:
             machine: Any = req.driver.machine
             self.handoff_stats.append(machine.statistics(trio.current_time()))
-        req.done = True
         self._reqs.pop(req.rid, None)
         self.hub.detach(req.rid)
         self.engine.finish(req.rid)

@@ -7,14 +7,12 @@ from ..wire import Message, message
 __all__ = [
     "Abort",
     "Emitted",
-    "Generate",
     "KvAccept",
     "KvOffer",
     "LeaseRenew",
     "Lookup",
     "LookupReply",
     "Register",
-    "Served",
     "StatsReply",
     "StatsRequest",
 ]
@@ -83,31 +81,6 @@ class Abort(Message):
 
     request_id: int
     reason: str
-
-
-@message(69)
-class Generate(Message):
-    """A front end to P: prefill and serve this prompt.
-
-    ``route`` is ``"auto"`` (the router decides), ``"main"`` (P->MD) or
-    ``"relay"`` (P->RLD->MD).
-    """
-
-    request_id: int
-    prompt: bytes
-    max_tokens: int
-    route: str
-
-
-@message(70)
-class Served(Message):
-    """P's answer to :class:`Generate`: the route it chose and why."""
-
-    request_id: int
-    route: str
-    reason: str
-    hit_blocks: int
-    sent_blocks: int
 
 
 @message(71)

@@ -21,7 +21,7 @@ import numpy as np
 import trio
 
 from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
-from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot, DrcSnapshotRequest
+from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot
 from ..control import ControlNode
 from ..kv import KVPool, block_ranges
 from ..route import Route, RouteDecision, RoutePolicy, Router, RouteReason, RouteRequest
@@ -138,6 +138,7 @@ class PrefillEndpoint:
         )
         self._wan_options = wan_options or {}
         self._local_options = local_options or {}
+        self._resyncing = False
         self._senders: dict[str, Sender] = {}
         self._sender_scopes: dict[str, trio.CancelScope] = {}
         self._roles: dict[str, str] = {}
@@ -224,7 +225,7 @@ class PrefillEndpoint:
         self._sender_scopes[info.name] = scope
         self._roles[info.name] = info.role
         if info.role == "main":
-            await self.node.request(info.name, DrcSnapshotRequest(0), timeout=10.0)
+            await self.node.request(info.name, self.mirror.snapshot_request(), timeout=10.0)
 
     def statistics(self) -> PrefillStatistics:
         return PrefillStatistics(**{**self._stats, "held_blocks": self.leases.held_blocks()})
@@ -455,6 +456,18 @@ class PrefillEndpoint:
 
     def _on_drc(self, peer: str, msg: Any) -> None:
         self.mirror.apply(msg)
+        if self.mirror.needs_snapshot and not self._resyncing and self._nursery is not None:
+            # the mirror saw a gap or an MD restart: ask for the whole key set again
+            self._resyncing = True
+            self._nursery.start_soon(self._resync, peer)
+
+    async def _resync(self, peer: str) -> None:
+        try:
+            await self.node.request(peer, self.mirror.snapshot_request(), timeout=10.0)
+        except PddnetError as exc:
+            log.info("%s: cache snapshot from %s failed: %s", self.name, peer, exc)
+        finally:
+            self._resyncing = False
 
     async def _send_abort(self, dest: str, request_id: int, reason: str) -> None:
         try:

@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +142,3 @@ class Progress:
             f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}"
         )
         sys.stderr.flush()
-
-
-def iter_progress(items: Iterable[Any], total: int, label: str) -> Iterable[Any]:
-    with Progress(total, label) as bar:
-        for item in items:
-            yield item
-            bar.advance()
