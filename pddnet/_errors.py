@@ -20,6 +20,7 @@ __all__ = [
     "TransferCancelled",
     "PeerUnavailable",
     "RemoteCallError",
+    "RequestAborted",
     "LayoutMismatch",
     "AuthError",
     "ResourceLimitError",
@@ -109,6 +110,10 @@ class RemoteCallError(PddnetError):
     def __init__(self, message: str, *, code: str, peer: str | None = None) -> None:
         super().__init__(message, peer=peer)
         self.code = code
+
+
+class RequestAborted(PddnetError):
+    """A node serving the request gave up on it; the message carries its reason."""
 
 
 class LayoutMismatch(PddnetError):

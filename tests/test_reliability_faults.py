@@ -8,9 +8,10 @@ back to baseline, every surviving decoder idle with all its blocks free or in
 MD's cache. Network faults need the emulated WAN (root + netns) and skip
 without it; process kills run on the WAN when available, else on loopback.
 
-Known failures are ``xfail`` with the bug named (docs/reliability.md lists
-them with their reproduction); what does hold for those faults (no lost
-request, no leaked block) is asserted by a sibling test.
+The user reads every stream through P's token sink, which recovers lost
+token frames and turns a dead decoder into a typed error; each fault's full
+invariants are asserted, and its accounting alone by a sibling test (so a
+failure says which part broke).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ kill_p_episode = _episode("kill_p", 16, loopback=LOOPBACK)
 def _assert_accounting(
     ep: dict[str, Any], unaccounted: set[str], *, blocks: bool = True
 ) -> dict[str, Any]:
-    """What holds today even where the full invariants do not (see the xfails):
-    every request has an outcome, no token is wrong, (optionally) no block leaks."""
+    """Every request has an outcome, no token is wrong, (optionally) no block leaks."""
     res = check_episode(ep)
     detail = f"{ep['fault']}: {res} ({ep['injected']})"
     assert res["requests"] > 0, detail
@@ -92,12 +92,6 @@ def test_bursty_loss_keeps_tokens_right(burst_episode: dict[str, Any]) -> None:
     assert res["completed"] > 0, res
 
 
-@pytest.mark.xfail(
-    reason="rare failures (docs/reliability.md): one wrong token in a 600 s soak after a "
-    "WAN chunk checksum mismatch; requests past their deadline when the decoders' KV wait "
-    "exceeds it (bug 4)",
-    strict=False,
-)
 def test_bursty_loss(burst_episode: dict[str, Any]) -> None:
     _assert_invariants(burst_episode)
 
@@ -108,12 +102,6 @@ def test_stream_resets_keep_tokens_right(reset_episode: dict[str, Any]) -> None:
     _assert_accounting(reset_episode, set(), blocks=False)
 
 
-@pytest.mark.xfail(
-    reason="known bug (docs/reliability.md): after a control-connection reset, Emitted "
-    "events are lost (zmq drops queued frames; the replay guard drops reordered ones), so "
-    "a request 'finishes' with holes in its token stream",
-    strict=False,
-)
 def test_stream_resets_keep_every_token(reset_episode: dict[str, Any]) -> None:
     _assert_invariants(reset_episode)
 
@@ -124,11 +112,6 @@ def test_kill_md_accounting(kill_md_episode: dict[str, Any]) -> None:
     assert res["typed_errors"] + res["hung"] > 0, res  # the kill did hit requests
 
 
-@pytest.mark.xfail(
-    reason="known bug (docs/reliability.md): requests in flight when MD dies get no Abort "
-    "and no error before their deadline",
-    strict=False,
-)
 def test_kill_md_mid_request(kill_md_episode: dict[str, Any]) -> None:
     _assert_invariants(kill_md_episode, unaccounted={"main (unreachable)"})
 
@@ -139,12 +122,6 @@ def test_kill_rld_accounting(kill_rld_episode: dict[str, Any]) -> None:
     assert res["typed_errors"] + res["hung"] > 0, res  # the kill did hit requests
 
 
-@pytest.mark.xfail(
-    reason="known bug (docs/reliability.md): on the emulated WAN some requests in flight "
-    "when RLD dies get no Abort and no error before their deadline (flaky: on loopback "
-    "they fail typed)",
-    strict=False,
-)
 def test_kill_rld_mid_request(kill_rld_episode: dict[str, Any]) -> None:
     _assert_invariants(kill_rld_episode, unaccounted={"relay (unreachable)"})
 

@@ -10,8 +10,9 @@
 Each is a trio async context manager; :class:`SyncEndpoint` runs any of them
 on its own thread for engines with synchronous schedulers (``submit``,
 ``poll``, a wake-up fd). Engines supply the :class:`DecodeEngine` hooks;
-:class:`ReferenceEngine` implements them with pddnet's reference model. See
-docs/embedding.md.
+:class:`ReferenceEngine` implements them with pddnet's reference model. A
+:class:`TokenSink` (P's node has one) turns the decoders' token frames into
+complete, ordered streams or typed errors. See docs/embedding.md.
 """
 
 from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_id
@@ -20,19 +21,26 @@ from ._info import EndpointInfo, Rendezvous
 from ._lease import Lease, LeaseTable
 from ._messages import (
     Abort,
+    CutOffWan,
     Emitted,
     KvAccept,
     KvOffer,
     LeaseRenew,
     StatsReply,
     StatsRequest,
+    StreamAck,
+    StreamResend,
+    StreamStatus,
 )
 from ._prefill import BlocksReleased, PrefillEndpoint, PrefillStatistics, Submission
+from ._sink import SinkStatistics, StreamToken, TokenSink, TokenStream
+from ._stream import SourceState, StreamAssembler, StreamPhase, StreamReport
 from ._sync import SyncEndpoint
 
 __all__ = [
     "Abort",
     "BlocksReleased",
+    "CutOffWan",
     "DecodeEngine",
     "DecodeStatistics",
     "Emitted",
@@ -48,9 +56,20 @@ __all__ = [
     "ReferenceEngine",
     "RelayEndpoint",
     "Rendezvous",
+    "SinkStatistics",
+    "SourceState",
     "StatsReply",
     "StatsRequest",
+    "StreamAck",
+    "StreamAssembler",
+    "StreamPhase",
+    "StreamReport",
+    "StreamResend",
+    "StreamStatus",
+    "StreamToken",
     "Submission",
     "SyncEndpoint",
+    "TokenSink",
+    "TokenStream",
     "new_request_id",
 ]

@@ -19,6 +19,7 @@ ends the request with an ``Abort`` to the sink, so no request is lost.
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
@@ -55,13 +56,30 @@ from ..transport.wan import WanReceiver
 from ..wire import Message, Pong, decode_tokens, encode_tokens
 from ._engine import DecodeEngine
 from ._info import EndpointInfo
-from ._messages import Abort, Emitted, KvAccept, KvOffer, LeaseRenew, StatsReply, StatsRequest
+from ._messages import (
+    Abort,
+    CutOffWan,
+    Emitted,
+    KvAccept,
+    KvOffer,
+    LeaseRenew,
+    StatsReply,
+    StatsRequest,
+    StreamAck,
+    StreamResend,
+    StreamStatus,
+)
+from ._stream import SourceState
 
 __all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
 
 log = logging.getLogger("pddnet.api")
 
 K_MAX_PROMPT = 1 << 20
+# What a decoder keeps of each request's stream for the sink's re-send requests:
+# until the sink acknowledges it, and at most this long / this many after it ended.
+K_RETAIN_S = 30.0
+K_MAX_RETAINED = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +92,7 @@ class DecodeStatistics:
     finished: int
     failed: int
     tokens_emitted: int
+    tokens_resent: int
     sink_failures: int
     blocks_received: int
     blocks_cached_hit: int
@@ -102,6 +121,23 @@ class _Request:
     next_pos: int = 0
     finish_pos: int = -1
     emitted: int = 0
+
+
+@dataclass
+class _Emitted:
+    """The tokens this decoder emitted for a request, kept for re-sends."""
+
+    sink: str
+    first: int = -1
+    final: int = -1  # the stream's last position, if we emitted it
+    tokens: array.array[int] = field(default_factory=lambda: array.array("q"))
+    state: SourceState = SourceState.ACTIVE
+    detail: str = ""
+    ended_at: float = 0.0
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.tokens) - 1 if self.tokens else -1
 
 
 class _DecodeEndpoint(ABC):
@@ -138,6 +174,8 @@ class _DecodeEndpoint(ABC):
         self.node = ControlNode(name, secret=secret, bind=control_bind)
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
         self._reqs: dict[int, _Request] = {}
+        self._emitted: dict[int, _Emitted] = {}
+        self._ended: dict[int, None] = {}  # ended streams' ids, oldest first
         self._nursery: trio.Nursery | None = None
         self._stack: Any = None
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
@@ -155,6 +193,8 @@ class _DecodeEndpoint(ABC):
         self.node.route(KvOffer, self._on_offer)
         self.node.route(Abort, self._on_abort)
         self.node.route(StatsRequest, self._on_stats)
+        self.node.route(StreamResend, self._on_resend)
+        self.node.route(StreamAck, self._on_stream_ack)
         self.hub = HandoffHub(self.node)
         return self
 
@@ -253,6 +293,8 @@ class _DecodeEndpoint(ABC):
         self._stats["blocks_received"] += len(dst)
         self._stats["blocks_cached_hit"] += skip
         self._reqs[req.rid] = req
+        self._emitted[req.rid] = _Emitted(req.sink)
+        self._ended.pop(req.rid, None)
         self.hub.expect(req.rid)
         assert self._nursery is not None
         self._nursery.start_soon(self._serve, req)
@@ -311,6 +353,7 @@ class _DecodeEndpoint(ABC):
             machine: Any = req.driver.machine
             self.handoff_stats.append(machine.statistics(trio.current_time()))
         self._reqs.pop(req.rid, None)
+        self._end_stream(req.rid, SourceState.DONE)
         self.hub.detach(req.rid)
         self.engine.finish(req.rid)
         # Blocks are cacheable only if the prompt's KV really landed in them.
@@ -331,12 +374,53 @@ class _DecodeEndpoint(ABC):
         del req
 
     async def _tell_sink_abort(self, req: _Request, reason: str) -> None:
+        self._end_stream(req.rid, SourceState.FAILED, reason)
         try:
             await self.node.send(req.sink, Abort(req.rid, reason), timeout=2.0)
         except PddnetError as exc:
             log.warning(
                 "%s: could not tell %s that %s failed: %s", self.name, req.sink, req.rid, exc
             )
+
+    # ------------------------------------------------- stream integrity
+    def _end_stream(self, rid: int, state: SourceState, detail: str = "") -> None:
+        """The request ended here: keep its tokens a while for the sink's re-sends
+        (at most :data:`K_RETAIN_S` seconds, and the :data:`K_MAX_RETAINED` latest)."""
+        kept = self._emitted.get(rid)
+        if kept is None or kept.state is not SourceState.ACTIVE:
+            return
+        kept.state, kept.detail = state, detail
+        kept.ended_at = now = trio.current_time()
+        self._ended[rid] = None
+        while self._ended:
+            oldest = next(iter(self._ended))
+            if (
+                len(self._ended) <= K_MAX_RETAINED
+                and self._emitted[oldest].ended_at > now - K_RETAIN_S
+            ):
+                break
+            del self._ended[oldest], self._emitted[oldest]
+
+    async def _on_resend(self, peer: str, msg: StreamResend) -> StreamStatus:
+        """The sink asks for the tokens it lacks from ``msg.start`` on."""
+        kept = self._emitted.get(msg.request_id)
+        if kept is None:
+            return StreamStatus(msg.request_id, int(SourceState.UNKNOWN), -1, -1)
+        if peer != kept.sink:
+            raise RemoteProtocolError(
+                f"re-send asked by {peer}, not the sink", peer=peer, request_id=msg.request_id
+            )
+        for pos in range(max(msg.start, kept.first), kept.last + 1):
+            tok = kept.tokens[pos - kept.first]
+            again = Emitted(msg.request_id, pos, tok, self.name, pos == kept.final)
+            await self.node.send(peer, again, timeout=self.sink_timeout_s)
+            self._stats["tokens_resent"] += 1
+        return StreamStatus(msg.request_id, int(kept.state), kept.first, kept.last, kept.detail)
+
+    def _on_stream_ack(self, peer: str, msg: StreamAck) -> None:
+        kept = self._emitted.get(msg.request_id)
+        if kept is not None and kept.state is not SourceState.ACTIVE and peer == kept.sink:
+            del self._emitted[msg.request_id], self._ended[msg.request_id]
 
     async def _on_abort(self, peer: str, msg: Abort) -> None:
         req = self._reqs.get(msg.request_id)
@@ -399,6 +483,15 @@ class _DecodeEndpoint(ABC):
     async def emit(self, request_id: int, position: int, token: int) -> None:
         req = self._reqs[request_id]
         msg = Emitted(request_id, position, token, self.name, position == req.finish_pos)
+        kept = self._emitted.get(request_id)
+        if kept is not None:  # kept first: a re-send can deliver a token whose send failed
+            if kept.first < 0:
+                kept.first = position
+            if position == kept.first + len(kept.tokens):
+                kept.tokens.append(token)
+                kept.final = position if msg.finished else kept.final
+            else:
+                log.warning("%s: %s emitted out of order at %s", self.name, request_id, position)
         try:
             await self.node.send(req.sink, msg, timeout=self.sink_timeout_s)
         except PddnetError as exc:
@@ -486,7 +579,7 @@ class RelayEndpoint(_DecodeEndpoint):
         # The WAN transfer runs P -> MD; P cancels it at the source.
         req = self._reqs.get(request_id)
         if req is not None and self.cut_off_wan:
-            await self._notify(req.p, Abort(request_id, f"cancel-wan:{reason.name}"))
+            await self._notify(req.p, CutOffWan(request_id, reason.name))
 
 
 class MainEndpoint(_DecodeEndpoint):

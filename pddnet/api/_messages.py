@@ -6,6 +6,7 @@ from ..wire import Message, message
 
 __all__ = [
     "Abort",
+    "CutOffWan",
     "Emitted",
     "KvAccept",
     "KvOffer",
@@ -15,6 +16,9 @@ __all__ = [
     "Register",
     "StatsReply",
     "StatsRequest",
+    "StreamAck",
+    "StreamResend",
+    "StreamStatus",
 ]
 
 
@@ -83,6 +87,15 @@ class Abort(Message):
     reason: str
 
 
+@message(69)
+class CutOffWan(Message):
+    """RLD to P: the request ended before MD's KV landed; stop its WAN transfer
+    (the strange-traffic cut-off). ``reason`` names the handoff's reason."""
+
+    request_id: int
+    reason: str
+
+
 @message(71)
 class Register(Message):
     """Rendezvous: publish an endpoint's handshake blob under (engine id, rank)."""
@@ -115,3 +128,36 @@ class StatsReply(Message):
     """``payload`` is a msgpack map: ``{"statistics": {...}, "requests": [...]}``."""
 
     payload: bytes
+
+
+@message(76)
+class StreamResend(Message):
+    """The sink to a decoder: re-send your tokens of the request at positions
+    ``start..`` (every one you hold from there), then answer with
+    :class:`StreamStatus`."""
+
+    request_id: int
+    start: int
+
+
+@message(77)
+class StreamStatus(Message):
+    """A decoder's answer to :class:`StreamResend`.
+
+    ``state`` is a :class:`~pddnet.api.SourceState` value; ``first``/``last``
+    are the first and last positions it emitted (-1: none); ``detail`` is why
+    it failed, for humans.
+    """
+
+    request_id: int
+    state: int
+    first: int
+    last: int
+    detail: str = ""
+
+
+@message(78)
+class StreamAck(Message):
+    """The sink to a decoder: the whole stream arrived; forget its tokens."""
+
+    request_id: int

@@ -32,7 +32,17 @@ from ..wire import encode_tokens
 from ._decode import stats_payload
 from ._info import EndpointInfo
 from ._lease import LeaseTable
-from ._messages import Abort, KvAccept, KvOffer, LeaseRenew, StatsReply, StatsRequest
+from ._messages import (
+    Abort,
+    CutOffWan,
+    Emitted,
+    KvAccept,
+    KvOffer,
+    LeaseRenew,
+    StatsReply,
+    StatsRequest,
+)
+from ._sink import TokenSink
 
 __all__ = ["BlocksReleased", "PrefillEndpoint", "PrefillStatistics", "Submission"]
 
@@ -63,6 +73,8 @@ class Submission:
     hit_blocks: int  # prompt blocks MD already held
     sent_blocks_wan: int
     sent_blocks_local: int
+    relay: str  # the RLD serving it ("" on P->MD)
+    main: str  # the MD serving it
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,10 @@ class PrefillEndpoint:
         wan_options: keyword arguments for each :class:`WanSender` to MD.
         local_options: keyword arguments for each local-path sender to RLD.
         timeout: deadline of each transfer, seconds.
+
+    P's node is also a token sink: open a request's stream with
+    ``p.sink.open(request_id, ...)`` and submit it with ``sink=p.name``
+    (:class:`TokenSink`).
     """
 
     role = "prefill"
@@ -133,6 +149,7 @@ class PrefillEndpoint:
         self.timeout = timeout
         self.node = ControlNode(name, secret=secret, bind=control_bind)
         self.leases = LeaseTable(lease_s)
+        self.sink = TokenSink(self.node, route=False)
         self.mirror = CacheMirror(
             pool.layout.block_size, bytes_per_token=pool.layout.kv_bytes_per_token
         )
@@ -158,10 +175,13 @@ class PrefillEndpoint:
             # one and without cancellation, so their shutdown runs to the end.
             self._sender_nursery = await stack.enter_async_context(trio.open_nursery())
             stack.callback(self._stop_senders)
+            await stack.enter_async_context(self.sink)
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._stack = stack.pop_all()
         self.node.route(LeaseRenew, self._on_renew)
         self.node.route(Abort, self._on_abort)
+        self.node.route(CutOffWan, self._on_cut_off)
+        self.node.route(Emitted, self.sink.on_emitted)
         self.node.route(StatsRequest, self._on_stats)
         for cls in (DrcInserted, DrcEvicted, DrcSnapshot):
             self.node.route(cls, self._on_drc)
@@ -314,6 +334,9 @@ class PrefillEndpoint:
             float(deadline_s or 0.0),
         )
         dests = [main_peer] + ([relay_peer] if relay_peer else [])
+        stream = self.sink.stream(request_id) if sink == self.name else None
+        if stream is not None:  # our own sink can ask them for lost tokens
+            stream.watch(*dests)
         self._reqs[request_id] = req = _Req(request_id)
         self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
         self._lease_changed.set()
@@ -376,7 +399,15 @@ class PrefillEndpoint:
         self._stats["wan_bytes_saved"] += skip * self.pool.layout.block_bytes
         if relay_peer:
             self._stats["local_bytes"] += req.outs[relay_peer].nbytes
-        return Submission(request_id, decision, skip, nblocks - skip, nblocks if relay_peer else 0)
+        return Submission(
+            request_id,
+            decision,
+            skip,
+            nblocks - skip,
+            nblocks if relay_peer else 0,
+            relay_peer,
+            main_peer,
+        )
 
     def mark_layer_ready(self, request_id: int, layer: int, dest: str | None = None) -> None:
         """Layer ``layer`` of the request's KV is final: send it (``ready=False``).
@@ -442,17 +473,21 @@ class PrefillEndpoint:
         self.leases.renew(msg.request_id, trio.current_time())
 
     async def _on_abort(self, peer: str, msg: Abort) -> None:
+        # a decoder gave up on the request: its stream (if we are the sink)
+        # fails, and its transfers stop
+        self.sink.on_abort(peer, msg)
         req = self._reqs.get(msg.request_id)
-        if req is None:
-            return
-        if msg.reason.startswith("cancel-wan"):
-            # strange traffic: RLD finished first; stop feeding MD only
+        if req is not None:
+            for out in req.outs.values():
+                out.transfer.cancel()
+
+    def _on_cut_off(self, peer: str, msg: CutOffWan) -> None:
+        # strange traffic: RLD finished first; stop feeding MD only
+        req = self._reqs.get(msg.request_id)
+        if req is not None:
             for out in req.outs.values():
                 if self._roles.get(out.dest) == "main":
                     out.transfer.cancel()
-            return
-        for out in req.outs.values():
-            out.transfer.cancel()
 
     def _on_drc(self, peer: str, msg: Any) -> None:
         self.mirror.apply(msg)

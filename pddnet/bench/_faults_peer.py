@@ -13,6 +13,8 @@ comes from ``$PDDNET_SECRET``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -24,9 +26,7 @@ import trio
 
 from .._errors import PddnetError
 from ..api import (
-    Abort,
     BlocksReleased,
-    Emitted,
     MainEndpoint,
     PrefillEndpoint,
     ReferenceEngine,
@@ -146,28 +146,18 @@ async def settle_decoders(node: ControlNode, timeout: float) -> dict[str, dict[s
         await trio.sleep(0.2)
 
 
+# How long after a request's deadline the user keeps waiting for the sink to
+# end its stream; past it the request counts as hung (the sink failed to act).
+K_HANG_GRACE_S = 1.0
+
+
 class _Front:
+    """The user's side: each request's outcome and P's block releases."""
+
     def __init__(self) -> None:
         self.recs: dict[int, dict[str, Any]] = {}
-        self.done: dict[int, trio.Event] = {}
         self.released: dict[int, trio.Event] = {}
         self.release_error: dict[int, tuple[float, str]] = {}  # (when, error)
-
-    def on_emit(self, peer: str, msg: Emitted) -> None:
-        rec = self.recs.get(msg.request_id)
-        if rec is None:
-            return
-        rec["tokens"].append([msg.position, msg.token])
-        if msg.finished and rec["outcome"] is None:
-            rec["outcome"] = "finished"
-            self.done[msg.request_id].set()
-
-    def on_abort(self, peer: str, msg: Abort) -> None:
-        rec = self.recs.get(msg.request_id)
-        if rec is not None and rec["outcome"] is None:
-            rec["outcome"] = "error"
-            rec["error"] = f"Abort from {peer}: {msg.reason}"
-            self.done[msg.request_id].set()
 
 
 async def _worker(
@@ -180,6 +170,7 @@ async def _worker(
 ) -> None:
     names = {"auto": None, "p-md": Route.P_MD, "p-rld-md": Route.P_RLD_MD}
     routes = [names[r] for r in cfg["routes"]]
+    deadline_s = cfg["request_timeout_s"]
     while trio.current_time() < stop_at:
         rid = new_request_id()
         prompt = [rng.randrange(TINY.vocab_size) for _ in range(rng.randrange(20, 120))]
@@ -196,28 +187,42 @@ async def _worker(
             "t0": time.time(),
         }
         front.recs[rid] = rec
-        front.done[rid] = trio.Event()
         front.released[rid] = trio.Event()
         seq = model.new_sequence()
         model.reserve(seq, len(prompt))
         first = greedy(model.prefill(seq, prompt))
-        t_dead = trio.current_time() + cfg["request_timeout_s"]
+        t_dead = trio.current_time() + deadline_s
+        # the user reads the stream through P's token sink: complete and in
+        # order, or a typed error by the deadline
+        stream = p.sink.open(rid, deadline_s=deadline_s, max_tokens=max_tokens)
         try:
             await p.submit(
-                rid, prompt, seq.block_table.tolist(), first, max_tokens, sink="p", route=route
+                rid,
+                prompt,
+                seq.block_table.tolist(),
+                first,
+                max_tokens,
+                sink="p",
+                route=route,
+                deadline_s=deadline_s,
             )
         except PddnetError as exc:
-            rec["outcome"] = "error"
-            rec["error"] = f"{type(exc).__name__}: {exc}"
+            stream.close(f"submit failed: {exc}")
             front.released[rid].set()  # nothing was leased
-        with trio.move_on_at(t_dead):
-            await front.done[rid].wait()
-        if rec["outcome"] is None:
+        with trio.move_on_at(t_dead + K_HANG_GRACE_S), contextlib.suppress(PddnetError):
+            await stream.result()  # its error is recorded below
+        rec["tokens"] = [[t.position, t.token] for t in stream.received]
+        if stream.done:
+            err = stream.error
+            rec["outcome"] = "finished" if err is None else "error"
+            if err is not None:
+                rec["error"] = f"{type(err).__name__}: {err}"
+        else:
             rec["outcome"] = "hung"
             # did P's engine at least get a typed error for it in time?
-            err = front.release_error.get(rid)
-            if err is not None and err[0] <= t_dead:
-                rec["error_at_p"] = err[1]
+            perr = front.release_error.get(rid)
+            if perr is not None and perr[0] <= t_dead:
+                rec["error_at_p"] = perr[1]
         rec["elapsed_s"] = time.time() - rec["t0"]
         # the source blocks stay with pddnet until BlocksReleased
         with trio.move_on_after(cfg["lease_s"] + 5.0):
@@ -240,8 +245,6 @@ async def prefill(cfg: dict[str, Any]) -> None:
         timeout=cfg["transfer_timeout_s"],
     ) as p:
         directory = Rendezvous.serve(p.node)
-        p.node.route(Emitted, front.on_emit)
-        p.node.route(Abort, front.on_abort)
         directory.publish(p.info())
         for engine_id in ("relay", "main"):
             info = await directory.wait_for(engine_id, 0, timeout=60)
@@ -275,6 +278,7 @@ async def prefill(cfg: dict[str, Any]) -> None:
             decoders = await settle_decoders(p.node, cfg["settle_s"])
             out = {
                 "requests": list(front.recs.values()),
+                "sink": dataclasses.asdict(p.sink.statistics()),
                 "p": {
                     "held_blocks": p.statistics().held_blocks,
                     "free_blocks": _free(model),

@@ -12,14 +12,16 @@ random moment while requests are in flight:
 * ``stream_reset``: every TCP connection between P and MD is reset (``ss -K``);
 * ``kill_p`` / ``kill_rld`` / ``kill_md``: ``kill -9`` of that process.
 
+The user reads each request through P's :class:`~pddnet.api.TokenSink`.
 Every request must finish with the single-instance greedy tokens or fail with
-a typed error (an ``Abort`` at the sink or a typed exception) before its
-deadline. After the episode P's lease table must be empty, P's pool back to
-its baseline, and each surviving decoder idle with every block either free
-or in MD's radix cache. The summary counts ``completed``, ``typed_errors``,
-``lost`` (no outcome recorded), ``hung`` (deadline passed, or a decoder still
-busy after settling; ``hung_error_at_p`` of them did give P's engine a typed
-error in time, as ``BlocksReleased.error``, though the sink heard nothing),
+a typed error (``RequestAborted``, ``PeerUnavailable``, ``TransferTimeout``,
+or a typed exception from ``submit``) by its deadline. After the episode P's
+lease table must be empty, P's pool back to its baseline, and each surviving
+decoder idle with every block either free or in MD's radix cache. The
+summary counts ``completed``, ``typed_errors``,
+``lost`` (no outcome recorded), ``hung`` (the stream had not ended 1 s after
+the deadline, or a decoder was still busy after settling; ``hung_error_at_p``
+of them did give P's engine a typed error in time, as ``BlocksReleased.error``),
 ``corrupted`` (a request whose stream is wrong: ``wrong_token``,
 ``missing_position`` in a finished stream, or ``duplicate_position``),
 ``leaked_blocks``, ``crashed`` (a decoder that died although no fault killed
@@ -311,6 +313,7 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     out.update(wrong_token=0, duplicate_position=0, missing_position=0, hung_error_at_p=0)
     out["bad_requests"] = []
     reasons: dict[str, int] = {}
+    examples: list[str] = []  # a few typed errors in full, for the report
     for rec in ep["requests"]:
         out["requests"] += 1
         ref = reference(rec["prompt"], rec["max_tokens"])
@@ -330,6 +333,8 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
             out["typed_errors"] += 1
             key = (rec["error"] or "?").split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
+            if len(examples) < 5:
+                examples.append(f"{rec['route']}: {rec['error']}"[:400])
         elif rec["outcome"] == "hung":
             out["hung"] += 1
             out["hung_error_at_p"] += int(bool(rec.get("error_at_p")))
@@ -354,12 +359,16 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     out["crashed"] = len(ep.get("crashed", []))
     out["unaccounted"] = unaccounted
     out["errors"] = reasons
+    out["error_examples"] = examples
     growth = [p["rss_growth_kb"]] if p is not None else []
     for role, doc in (ep.get("decoders") or {}).items():
         first = (ep.get("decoders_start") or {}).get(role)
         if doc is not None and first is not None:
             growth.append(doc["rss_kb"] - first["rss_kb"])
     out["rss_growth_kb"] = max(growth, default=0)
+    sink = ep.get("sink") or {}
+    out["sink_rounds"] = sink.get("rounds", 0)  # the sink asked decoders to re-send
+    out["sink_duplicates"] = sink.get("duplicates", 0)
     return out
 
 
@@ -451,7 +460,7 @@ def main(args: argparse.Namespace) -> int:
                 **{
                     k: v
                     for k, v in res.items()
-                    if k not in ("errors", "unaccounted", "bad_requests")
+                    if k not in ("errors", "error_examples", "unaccounted", "bad_requests")
                 },
                 "unaccounted": ",".join(res["unaccounted"]) or "-",
                 "wall_s": round(ep["wall_s"], 1),
@@ -469,6 +478,8 @@ def main(args: argparse.Namespace) -> int:
         "duplicate_position",
         "leaked_blocks",
         "crashed",
+        "sink_rounds",
+        "sink_duplicates",
     )
     summary: dict[str, Any] = {k: sum(r[k] for r in rows) for k in keys}
     summary.update(

@@ -1,8 +1,8 @@
 """The demo's three processes: ``python -m pddnet.demo._roles ROLE CONFIG_JSON``.
 
 P hosts the rendezvous and plays the front end: it prefills each prompt with
-the reference model, submits it, and collects the user's token stream (every
-``Emitted`` from RLD and MD) with arrival times. RLD and MD register with P's
+the reference model, submits it, and reads the user's token stream through P's token sink, with
+delivery times and the decoder that produced each token. RLD and MD register with P's
 rendezvous, look each other up, and serve. The shared secret comes from
 ``$PDDNET_SECRET``.
 """
@@ -19,9 +19,7 @@ import trio
 
 from .._errors import PddnetError
 from ..api import (
-    Abort,
     BlocksReleased,
-    Emitted,
     MainEndpoint,
     PrefillEndpoint,
     ReferenceEngine,
@@ -74,27 +72,11 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
 
 
 class _Frontend:
-    """The user's side: token arrivals per request, and completion."""
+    """The user's side: each request's record, and P's block releases."""
 
     def __init__(self) -> None:
         self.records: dict[int, dict[str, Any]] = {}
-        self.done: dict[int, trio.Event] = {}
         self.released: dict[int, trio.Event] = {}
-
-    def on_emit(self, peer: str, msg: Emitted) -> None:
-        rec = self.records.get(msg.request_id)
-        if rec is None:
-            return
-        rec["tokens"].append([time.monotonic() - rec["t0"], msg.position, msg.token, msg.source])
-        if msg.finished:
-            rec["outcome"] = "finished"
-            self.done[msg.request_id].set()
-
-    def on_abort(self, peer: str, msg: Abort) -> None:
-        rec = self.records.get(msg.request_id)
-        if rec is not None and rec["outcome"] is None:
-            rec["outcome"] = f"error: {msg.reason}"
-            self.done[msg.request_id].set()
 
 
 async def prefill(cfg: dict[str, Any]) -> None:
@@ -111,8 +93,6 @@ async def prefill(cfg: dict[str, Any]) -> None:
         wan_options={"streams": 4},
     ) as p:
         directory = Rendezvous.serve(p.node)
-        p.node.route(Emitted, front.on_emit)
-        p.node.route(Abort, front.on_abort)
         directory.publish(p.info())
         for engine_id in ("relay", "main"):
             info = await directory.wait_for(engine_id, 0, timeout=60)
@@ -170,7 +150,6 @@ async def _session(
     done_len = 0
     for req in reqs:
         rid = new_request_id()
-        front.done[rid] = trio.Event()
         front.released.setdefault(rid, trio.Event())
         rec: dict[str, Any] = {
             "request_id": rid,
@@ -183,6 +162,7 @@ async def _session(
             "outcome": None,
             "t0": time.monotonic(),
         }
+        t0 = trio.current_time()
         front.records[rid] = rec
         # P's own prefix cache: only the new part of the prompt is prefilled
         model.reserve(seq, len(req.prompt))
@@ -191,11 +171,21 @@ async def _session(
         done_len = len(req.prompt)
         rec["prefill_s"] = time.monotonic() - rec["t0"]
         blocks = seq.block_table[: -(-len(req.prompt) // model.block_size)].tolist()
+        # the user's stream, through P's token sink (in order, no holes)
+        stream = p.sink.open(rid, deadline_s=cfg["request_timeout_s"], max_tokens=req.max_tokens)
         try:
             sub = await p.submit(
-                rid, req.prompt, blocks, first, req.max_tokens, sink="p", route=route
+                rid,
+                req.prompt,
+                blocks,
+                first,
+                req.max_tokens,
+                sink="p",
+                route=route,
+                deadline_s=cfg["request_timeout_s"],
             )
         except PddnetError as exc:
+            stream.close(f"submit failed: {exc}")
             rec["outcome"] = f"error: {exc}"
             continue
         rec.update(
@@ -205,8 +195,13 @@ async def _session(
             blocks=len(blocks),
         )
         with trio.move_on_after(cfg["request_timeout_s"]):
-            await front.done[rid].wait()
+            try:
+                await stream.result()
+                rec["outcome"] = "finished"
+            except PddnetError as exc:
+                rec["outcome"] = f"error: {type(exc).__name__}: {exc}"
             await front.released[rid].wait()  # the next turn rewrites the shared tail block
+        rec["tokens"] = [[t.time - t0, t.position, t.token, t.source] for t in stream.received]
         rec["elapsed_s"] = time.monotonic() - rec["t0"]
         print(f"p: [{phase}] session {req.session} turn {req.turn}: {rec['outcome']}", flush=True)
 
