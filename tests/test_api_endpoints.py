@@ -129,6 +129,54 @@ async def test_refused_offer_is_a_typed_error_and_leaks_nothing() -> None:
         assert md.statistics().free_blocks == 8 and md.drc.open_plans == 0
 
 
+async def test_request_bounds_refuse_with_a_typed_error_and_leak_nothing() -> None:
+    from pddnet import RemoteCallError, ResourceLimitError
+
+    pm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(2))
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY, max_requests=3) as p,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, max_requests=2) as md,
+    ):
+        await p.connect_peer(md.info())
+        await md.connect_peer(p.info())
+        seqs = []
+        for rid in (1, 2, 3, 4):
+            seq = pm.new_sequence()
+            pm.reserve(seq, 40)
+            seqs.append(seq)
+        submit = [
+            lambda rid, s=s: p.submit(
+                rid,
+                list(range(40)),
+                s.block_table.tolist(),
+                3,
+                200,
+                sink="p",
+                route=Route.P_MD,
+                ready=False,  # the KV stays at P: both ends hold the request
+            )
+            for s in seqs
+        ]
+        await submit[0](1)
+        await submit[1](2)
+        # MD holds two requests: the third offer is refused, and P keeps nothing for it
+        with pytest.raises(RemoteCallError, match="max_requests=2") as info:
+            await submit[2](3)
+        assert info.value.code == "ResourceLimitError"
+        assert md.statistics().active == 2 and md.statistics().rejected == 1
+        # P's own bound: the two accepted requests are in flight
+        p.max_requests = 2
+        with pytest.raises(ResourceLimitError, match="max_requests=2"):
+            await submit[3](4)
+        assert len(p.leases) == 2 and 1 in p.leases and 2 in p.leases
+        for rid in (1, 2):
+            await p.abort(rid)
+        with trio.fail_after(10):
+            while md.statistics().active or p.statistics().held_blocks:
+                await trio.sleep(0.02)
+        assert md.statistics().free_blocks == NB - len(md.cache)
+
+
 def test_sync_facade_submits_and_polls() -> None:
     pm = ReferenceModel.create(TINY, num_blocks=NB)
     ep = SyncEndpoint(lambda: PrefillEndpoint("p", pm.pool, secret=KEY)).start()

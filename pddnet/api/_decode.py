@@ -35,7 +35,13 @@ import msgpack
 import numpy as np
 import trio
 
-from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, TransferCancelled
+from .._errors import (
+    LocalProtocolError,
+    PddnetError,
+    RemoteProtocolError,
+    ResourceLimitError,
+    TransferCancelled,
+)
 from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
 from ..control import ControlNode
 from ..handoff import (
@@ -159,6 +165,7 @@ class _DecodeEndpoint(ABC):
         receiver: Receiver | None = None,
         step_time_s: float = 0.0,
         watch_interval_s: float = 2.0,
+        max_requests: int = 4096,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -167,6 +174,7 @@ class _DecodeEndpoint(ABC):
         self.lease_s = lease_s
         self.step_time_s = step_time_s
         self.watch_interval_s = watch_interval_s
+        self.max_requests = max_requests
         self.sink_timeout_s = 2.0
         self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
         self.engine_id = engine_id or name
@@ -251,6 +259,13 @@ class _DecodeEndpoint(ABC):
         self._stats["offers"] += 1
         if msg.request_id in self._reqs:
             raise RemoteProtocolError("duplicate request id", peer=peer, request_id=msg.request_id)
+        if len(self._reqs) >= self.max_requests:
+            self._stats["rejected"] += 1
+            raise ResourceLimitError(
+                f"{len(self._reqs)} requests in progress (max_requests={self.max_requests})",
+                peer=peer,
+                request_id=msg.request_id,
+            )
         if not 0 < msg.max_tokens <= K_MAX_PROMPT:
             raise RemoteProtocolError("bad max_tokens", peer=peer, request_id=msg.request_id)
         prompt = decode_tokens(msg.prompt, K_MAX_PROMPT)
@@ -532,6 +547,9 @@ class RelayEndpoint(_DecodeEndpoint):
             real model's speed with a small one (demo, benchmarks); 0 in production.
         watch_interval_s: ping the other decoder this often; three missed
             pings declare it failed to every running handoff (0: don't watch).
+        max_requests: requests in progress (pending handoffs) at most; a
+            further ``KvOffer`` is refused with :class:`~pddnet.ResourceLimitError`
+            (P's ``submit`` raises it as :class:`~pddnet.RemoteCallError`).
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, ResourceLimitError
 from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot
 from ..control import ControlNode
 from ..kv import KVPool, block_ranges
@@ -118,6 +118,8 @@ class PrefillEndpoint:
         wan_options: keyword arguments for each :class:`WanSender` to MD.
         local_options: keyword arguments for each local-path sender to RLD.
         timeout: deadline of each transfer, seconds.
+        max_requests: requests whose source blocks pddnet holds, at most;
+            ``submit`` raises :class:`~pddnet.ResourceLimitError` past it.
 
     P's node is also a token sink: open a request's stream with
     ``p.sink.open(request_id, ...)`` and submit it with ``sink=p.name``
@@ -140,6 +142,7 @@ class PrefillEndpoint:
         wan_options: dict[str, Any] | None = None,
         local_options: dict[str, Any] | None = None,
         timeout: float = 60.0,
+        max_requests: int = 4096,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -147,6 +150,7 @@ class PrefillEndpoint:
         self.rank = rank
         self.router = router or Router(RoutePolicy())
         self.timeout = timeout
+        self.max_requests = max_requests
         self.node = ControlNode(name, secret=secret, bind=control_bind)
         self.leases = LeaseTable(lease_s)
         self.sink = TokenSink(self.node, route=False)
@@ -297,6 +301,7 @@ class PrefillEndpoint:
 
         Raises:
             LocalProtocolError: for a duplicate id or too few blocks.
+            ResourceLimitError: ``max_requests`` requests are in flight.
             RemoteCallError: if a decoder refused the request (no free blocks, ...).
             TransferTimeout: if a decoder did not answer.
 
@@ -304,6 +309,11 @@ class PrefillEndpoint:
         """
         if request_id in self._reqs or request_id in self.leases:
             raise LocalProtocolError("duplicate request id", request_id=request_id)
+        if len(self._reqs) >= self.max_requests:
+            raise ResourceLimitError(
+                f"{len(self._reqs)} requests in flight (max_requests={self.max_requests})",
+                request_id=request_id,
+            )
         bs = self.pool.layout.block_size
         prompt_arr = np.asarray(prompt, dtype=np.int64)
         nblocks = -(-prompt_arr.size // bs)

@@ -144,6 +144,8 @@ class TokenSink:
         route: route ``Emitted`` and ``Abort`` on ``node`` (False when an
             endpoint on the same node forwards them, as
             :class:`PrefillEndpoint` does).
+        max_streams: open streams at most (:meth:`open` raises
+            :class:`~pddnet.ResourceLimitError` past it).
     """
 
     def __init__(
@@ -154,11 +156,13 @@ class TokenSink:
         poll_interval_s: float = 1.0,
         max_failed_rounds: int = 3,
         route: bool = True,
+        max_streams: int = K_MAX_OPEN_STREAMS,
     ) -> None:
         self.node = node
         self.gap_delay_s = gap_delay_s
         self.poll_interval_s = poll_interval_s
         self.max_failed_rounds = max_failed_rounds
+        self.max_streams = max_streams
         self._streams: dict[int, TokenStream] = {}
         self._wake: dict[int, tuple[trio.Event, float]] = {}  # the task's event and timer
         self._nursery: trio.Nursery | None = None
@@ -204,9 +208,9 @@ class TokenSink:
             raise LocalProtocolError("the sink is not running (use `async with`)")
         if request_id in self._streams:
             raise LocalProtocolError("stream already open", request_id=request_id)
-        if len(self._streams) >= K_MAX_OPEN_STREAMS:
+        if len(self._streams) >= self.max_streams:
             raise ResourceLimitError(
-                f"{len(self._streams)} open streams (limit {K_MAX_OPEN_STREAMS})",
+                f"{len(self._streams)} open streams (max_streams={self.max_streams})",
                 request_id=request_id,
             )
         now = trio.current_time()
