@@ -51,6 +51,7 @@ from typing import Any
 from ..emu import GilbertElliott, Testbed, emulated_wan, netem_available, unavailable_reason
 from ..recompute import TINY, ReferenceModel, greedy
 from ._common import add_common_arguments, print_table, write_report
+from ._faults_peer import rss_kb
 
 __all__ = ["FAULTS", "add_arguments", "check_episode", "main", "reference", "run_episode"]
 
@@ -397,7 +398,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"pddnet bench faults: no emulated WAN ({reason}); running on loopback")
     t0 = time.monotonic()
-    rss0 = _rss_kb(os.getpid())
+    rss0 = rss_kb(os.getpid())
     results: list[tuple[int, str, dict[str, Any]]] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -486,7 +487,7 @@ def main(args: argparse.Namespace) -> int:
         episodes=len(rows),
         requests=sum(r["requests"] for r in rows),
         rss_growth=1024 * max((r["rss_growth_kb"] for r in rows), default=0),
-        bench_rss_growth=1024 * (_rss_kb(os.getpid()) - rss0),
+        bench_rss_growth=1024 * (rss_kb(os.getpid()) - rss0),
         request_deadline_s=deadline_s,
         elapsed_s=time.monotonic() - t0,
         link=results[0][2]["link"] if results else "-",
@@ -503,14 +504,3 @@ def main(args: argparse.Namespace) -> int:
         summary[k] == 0 for k in ("lost", "hung", "corrupted", "leaked_blocks", "crashed")
     )
     return 0 if ok else 1
-
-
-def _rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
