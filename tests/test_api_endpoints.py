@@ -140,7 +140,7 @@ async def test_request_bounds_refuse_with_a_typed_error_and_leak_nothing() -> No
         await p.connect_peer(md.info())
         await md.connect_peer(p.info())
         seqs = []
-        for rid in (1, 2, 3, 4):
+        for _ in range(4):
             seq = pm.new_sequence()
             pm.reserve(seq, 40)
             seqs.append(seq)
@@ -175,6 +175,51 @@ async def test_request_bounds_refuse_with_a_typed_error_and_leak_nothing() -> No
             while md.statistics().active or p.statistics().held_blocks:
                 await trio.sleep(0.02)
         assert md.statistics().free_blocks == NB - len(md.cache)
+
+
+async def test_a_grant_the_wan_receiver_refuses_leaks_nothing() -> None:
+    from pddnet import RemoteCallError
+    from pddnet.transport.wan import WanLimits
+
+    pm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(2))
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY) as p,
+        MainEndpoint(
+            "md", mm.pool, ReferenceEngine(mm), secret=KEY, wan_limits=WanLimits(max_transfers=1)
+        ) as md,
+    ):
+        await p.connect_peer(md.info())
+        await md.connect_peer(p.info())
+        free0 = md.statistics().free_blocks
+        for rid in (1, 2):
+            seq = pm.new_sequence()
+            pm.reserve(seq, 100)
+            prompt = [rid] * 100  # different prompts: no cache hit
+            call = p.submit(
+                rid,
+                prompt,
+                seq.block_table.tolist(),
+                3,
+                20,
+                sink="p",
+                route=Route.P_MD,
+                ready=False,
+            )
+            if rid == 1:
+                await call
+                continue
+            with pytest.raises(RemoteCallError, match="max_transfers") as info:
+                await call
+            assert info.value.code == "WanLimitExceeded"
+        assert md.statistics().active == 1 and md.statistics().rejected == 1
+        used = free0 - md.statistics().free_blocks  # request 1's blocks only
+        assert used == -(-(100 + 20) // mm.pool.layout.block_size)
+        assert md.drc.open_plans == 1
+        await p.abort(1)
+        with trio.fail_after(10):
+            while md.statistics().active or p.statistics().held_blocks:
+                await trio.sleep(0.02)
+        assert md.statistics().free_blocks == free0 and md.drc.open_plans == 0
 
 
 def test_sync_facade_submits_and_polls() -> None:

@@ -58,7 +58,7 @@ from ..handoff._driver import HandoffDriver
 from ..kv import KVPool, block_ranges
 from ..transport import Receiver
 from ..transport.local import local_available, open_local_receiver
-from ..transport.wan import WanReceiver
+from ..transport.wan import TlsConfig, WanLimits, WanReceiver
 from ..wire import Message, Pong, decode_tokens, encode_tokens
 from ._engine import DecodeEngine
 from ._info import EndpointInfo
@@ -166,6 +166,8 @@ class _DecodeEndpoint(ABC):
         step_time_s: float = 0.0,
         watch_interval_s: float = 2.0,
         max_requests: int = 4096,
+        wan_tls: TlsConfig | None = None,
+        wan_limits: WanLimits | None = None,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -180,6 +182,8 @@ class _DecodeEndpoint(ABC):
         self.engine_id = engine_id or name
         self.rank = rank
         self.node = ControlNode(name, secret=secret, bind=control_bind)
+        self.wan_tls = wan_tls
+        self.wan_limits = wan_limits
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
         self._reqs: dict[int, _Request] = {}
         self._emitted: dict[int, _Emitted] = {}
@@ -189,7 +193,12 @@ class _DecodeEndpoint(ABC):
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
 
     def _default_receiver(self, data_host: str) -> Receiver:
-        return WanReceiver(host=data_host, secret=self.node.key)
+        return self._wan_receiver(data_host)
+
+    def _wan_receiver(self, data_host: str) -> WanReceiver:
+        return WanReceiver(
+            host=data_host, secret=self.node.key, tls=self.wan_tls, limits=self.wan_limits
+        )
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Any:
@@ -298,12 +307,19 @@ class _DecodeEndpoint(ABC):
         req.table = hit_ids + owned
         dst = owned[: prompt_blocks - skip]
         ranges = block_ranges(self.pool.layout, self.pool.num_blocks, dst)
-        grant = self.receiver.grant(
-            self.pool.host_views(),
-            ranges,
-            num_layers=self.pool.layout.num_layers,
-            timeout=req.params.kv_timeout_s,
-        )
+        extra: dict[str, Any] = {"peer": peer} if isinstance(self.receiver, WanReceiver) else {}
+        try:  # the receiver's own bounds (WanLimits) may refuse the grant
+            grant = self.receiver.grant(
+                self.pool.host_views(),
+                ranges,
+                num_layers=self.pool.layout.num_layers,
+                timeout=req.params.kv_timeout_s,
+                **extra,
+            )
+        except PddnetError:
+            self._stats["rejected"] += 1
+            self._free(req, landed=False)
+            raise
         req.transfer_id = grant.transfer_id
         self._stats["blocks_received"] += len(dst)
         self._stats["blocks_cached_hit"] += skip
@@ -550,6 +566,9 @@ class RelayEndpoint(_DecodeEndpoint):
         max_requests: requests in progress (pending handoffs) at most; a
             further ``KvOffer`` is refused with :class:`~pddnet.ResourceLimitError`
             (P's ``submit`` raises it as :class:`~pddnet.RemoteCallError`).
+        wan_tls: TLS for the WAN data streams (:class:`~pddnet.transport.wan.TlsConfig`;
+            P passes its side as ``wan_options={"tls": ...}``).
+        wan_limits: the WAN receiver's bounds (:class:`~pddnet.transport.wan.WanLimits`).
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,
@@ -567,7 +586,7 @@ class RelayEndpoint(_DecodeEndpoint):
         # else TCP with a one-time warning
         if local_available():
             return open_local_receiver()
-        return WanReceiver(host=data_host, secret=self.node.key)
+        return self._wan_receiver(data_host)
 
     async def _serve(self, req: _Request) -> None:
         try:

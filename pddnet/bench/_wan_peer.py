@@ -1,6 +1,8 @@
 """Processes of ``pddnet bench wan``: receivers (servers) and senders (functions).
 
-Receivers run as ``python -m pddnet.bench._wan_peer raw-rx|pdd-rx PORT ...``, print
+Receivers run as ``python -m pddnet.bench._wan_peer raw-rx|pdd-rx PORT ...``
+(``pdd-rx PORT TLS_DIR`` for a TLS receiver with the certificates of
+:func:`pddnet.transport.testing.make_test_certs` in ``TLS_DIR``), print
 ``READY`` once listening, and serve until killed. Senders are plain functions
 that a :class:`pddnet.emu.Host` runs with ``call`` (or the bench runs
 directly on loopback); they return a dict of measurements.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import socket
 import sys
 import threading
@@ -35,8 +38,10 @@ def raw_rx_cpu(host: str, port: int) -> float:
 
 
 def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+    # getrusage has microsecond resolution; os.times() counts 10 ms ticks, too
+    # coarse for a 0.1 s loopback run
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _retrans(sock: socket.socket) -> int:
@@ -134,15 +139,35 @@ def raw_send(host: str, port: int, nbytes: int, streams: int, congestion: str) -
 # -- pddnet ----------------------------------------------------------------------------
 
 
-def pdd_rx(port: int, max_chunk: int = 16 << 20) -> None:
-    """A WanReceiver on PORT and a JSON-lines grant service on PORT + 1."""
+def tls_configs(tls_dir: str) -> tuple[Any, Any]:
+    """(receiver, sender) :class:`TlsConfig` for mutual TLS with the test certificates
+    in ``tls_dir`` (the receiver's name is checked as ``localhost``)."""
+    from ..transport.wan import TlsConfig
+
+    def f(name: str) -> str:
+        return os.path.join(tls_dir, name)
+
+    rx = TlsConfig(
+        cert=f("server.pem"), key=f("server.key"), ca=f("ca.pem"), require_client_cert=True
+    )
+    tx = TlsConfig(
+        cert=f("client.pem"), key=f("client.key"), ca=f("ca.pem"), server_hostname="localhost"
+    )
+    return rx, tx
+
+
+def pdd_rx(port: int, max_chunk: int = 16 << 20, tls_dir: str | None = None) -> None:
+    """A WanReceiver on PORT (TLS with the certificates in ``tls_dir`` if given) and a
+    JSON-lines grant service on PORT + 1."""
     import trio
 
     from ..kv import ByteRanges
     from ..transport.wan import WanReceiver
 
+    tls = tls_configs(tls_dir)[0] if tls_dir else None
+
     async def main() -> None:
-        async with WanReceiver("0.0.0.0", port, max_chunk=max_chunk) as rx:
+        async with WanReceiver("0.0.0.0", port, max_chunk=max_chunk, tls=tls) as rx:
             held: dict[int, np.ndarray] = {}
 
             async def keep(tid: int) -> None:
@@ -206,9 +231,11 @@ def pdd_send(
     pacer: str = "adaptive",
     pacer_options: dict[str, Any] | None = None,
     urgent_pacing: float | None = None,
+    tls_dir: str | None = None,
 ) -> dict[str, Any]:
     """Send ``nbytes`` with pddnet (``repeat`` times); optionally ``small`` high-priority
-    256 KiB transfers during the bulk one. Returns the measurements."""
+    256 KiB transfers during the bulk one; over mutual TLS with the certificates in
+    ``tls_dir`` if given. Returns the measurements."""
     import trio
 
     from ..kv import ByteRanges
@@ -235,6 +262,7 @@ def pdd_send(
             pacer=pacer,
             pacer_options=pacer_options,
             urgent_pacing=K_URGENT_PACING if urgent_pacing is None else (urgent_pacing or None),
+            tls=tls_configs(tls_dir)[1] if tls_dir else None,
         ) as tx:
             with trio.fail_after(10):
                 await tx.wait_connected()
@@ -288,6 +316,6 @@ if __name__ == "__main__":
     if role == "raw-rx":
         raw_rx(port, int(sys.argv[3]))
     elif role == "pdd-rx":
-        pdd_rx(port)
+        pdd_rx(port, tls_dir=sys.argv[3] if len(sys.argv) > 3 else None)
     else:
         raise SystemExit(f"unknown role {role}")

@@ -10,7 +10,11 @@ Three parts, each in the same run:
   bytes;
 * priority: 256 KiB high-priority transfers issued while a bulk transfer
   saturates the link, with pddnet's scheduler and with FIFO; completion-time
-  percentiles (from ``start`` until the receiver verified every byte).
+  percentiles (from ``start`` until the receiver verified every byte);
+* TLS: on loopback and on each emulated link, pddnet again over mutual TLS
+  (throwaway certificates, the challenge-response off on both rows), in the
+  same run: ``pddnet+TLS`` rows and the ``tls_goodput_ratio`` /
+  ``tls_cpu_per_gb_ratio`` summary keys (``--no-tls`` skips it).
 
 ``--quick`` uses one link (30 ms RTT, 0.1 % loss, 1 Gbit/s, MTU 9000); the full
 mode sweeps RTT {0, 30, 80} ms x loss {0, 0.1, 1} % x rate {200 Mbit/s, 1 Gbit/s}.
@@ -25,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pacer option (float), repeatable: --pacer-opt slack=1.25",
     )
     parser.add_argument("--small", type=int, default=16, help="small transfers in priority runs")
+    parser.add_argument("--no-tls", action="store_true", help="skip the pddnet+TLS rows")
 
 
 def _popts(args: argparse.Namespace) -> dict[str, float]:
@@ -130,26 +136,54 @@ def _row(name: str, link: str, nbytes: int, runs: list[dict[str, Any]]) -> dict[
     }
 
 
+@contextlib.contextmanager
+def _tls_server(
+    spawn: Callable[..., subprocess.Popen[Any]], port: int, tls_dir: str | None
+) -> Iterator[None]:
+    """A TLS pdd receiver on ``port`` if ``tls_dir`` is set, else nothing."""
+    if tls_dir is None:
+        yield
+        return
+    with _server(spawn, _peer_argv("pdd-rx", port, tls_dir)):
+        yield
+
+
 def loopback(args: argparse.Namespace, bar: Progress) -> list[dict[str, Any]]:
     n = args.streams
     nbytes = (256 if args.quick else args.loopback_mb) << 20
-    raw_port, pdd_port = _free_port(), _free_port()
-    raw_runs, pdd_runs = [], []
+    raw_port, pdd_port, tls_port = _free_port(), _free_port(), _free_port()
+    raw_runs, pdd_runs, tls_runs = [], [], []
     with (
         _server(subprocess.Popen, _peer_argv("raw-rx", raw_port, str(nbytes))),
         _server(subprocess.Popen, _peer_argv("pdd-rx", pdd_port)),
+        _tls_server(subprocess.Popen, tls_port, args.tls_dir),
     ):
-        for _ in range(args.repeat):  # interleaved, so machine noise hits both alike
+        for _ in range(args.repeat):  # interleaved, so machine noise hits all alike
             raw_runs.append(peer.raw_send("127.0.0.1", raw_port, nbytes, n, args.cc))
             res = peer.pdd_send(
                 "127.0.0.1", pdd_port, nbytes, n, args.cc, chunk_size=args.chunk, pacer=args.pacer
             )
             pdd_runs += res["runs"]
+            if args.tls_dir is not None:
+                res = peer.pdd_send(
+                    "127.0.0.1",
+                    tls_port,
+                    nbytes,
+                    n,
+                    args.cc,
+                    chunk_size=args.chunk,
+                    pacer=args.pacer,
+                    tls_dir=args.tls_dir,
+                )
+                tls_runs += res["runs"]
             bar.advance(note="loopback")
-    return [
+    rows = [
         _row(f"plain TCP x{n}", "loopback", nbytes, raw_runs),
         _row(f"pddnet x{n}", "loopback", nbytes, pdd_runs),
     ]
+    if tls_runs:
+        rows.append(_row(f"pddnet+TLS x{n}", "loopback", nbytes, tls_runs))
+    return rows
 
 
 def _link_name(link: dict[str, float]) -> str:
@@ -232,10 +266,11 @@ def emulated(
         for host in (wan.p, wan.md):
             host.run(["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
         md = wan.md.addr
-        raw_port, pdd_port = 6000, 6100
+        raw_port, pdd_port, tls_port = 6000, 6100, 6200
         with (
             _server(wan.md.spawn, _peer_argv("raw-rx", raw_port, str(nbytes))),
             _server(wan.md.spawn, _peer_argv("pdd-rx", pdd_port)),
+            _tls_server(wan.md.spawn, tls_port, args.tls_dir),
         ):
             if not args.no_baselines:
                 ip = _iperf3(wan, n, args.seconds, args.cc)
@@ -258,6 +293,24 @@ def emulated(
             row["pacing"] = res["runs"][0]["pacing"]
             rows.append(row)
             bar.advance(note=f"{name} pddnet")
+            if args.tls_dir is not None:
+                res = wan.p.call(
+                    peer.pdd_send,
+                    md,
+                    tls_port,
+                    nbytes,
+                    n,
+                    args.cc,
+                    chunk_size=args.chunk,
+                    pacer=args.pacer,
+                    pacer_options=_popts(args),
+                    tls_dir=args.tls_dir,
+                    timeout=args.seconds * 20 + 60,
+                )
+                row = _row(f"pddnet+TLS x{n}", name, nbytes, res["runs"])
+                row["resent_mb"] = res["runs"][0]["resent"] / 1e6
+                rows.append(row)
+                bar.advance(note=f"{name} pddnet+TLS")
             if not args.no_baselines:
                 single = wan.p.call(
                     peer.raw_send,
@@ -333,6 +386,18 @@ def _plot(path: str, rows: list[dict[str, Any]], prio: dict[str, Any] | None) ->
     fig.savefig(path, dpi=120)
 
 
+def _tls_summary(rows: list[dict[str, Any]], link: str, prefix: str) -> dict[str, float]:
+    """TLS's cost on one link: goodput and CPU s/GB of pddnet+TLS over plain pddnet."""
+    by = {r["sender"].split()[0]: r for r in rows if r["link"] == link}
+    if "pddnet" not in by or "pddnet+TLS" not in by:
+        return {}
+    plain, tls = by["pddnet"], by["pddnet+TLS"]
+    return {
+        f"{prefix}tls_goodput_ratio": tls["goodput_gbps"] / plain["goodput_gbps"],
+        f"{prefix}tls_cpu_per_gb_ratio": tls["cpu_s_per_gb"] / plain["cpu_s_per_gb"],
+    }
+
+
 def main(args: argparse.Namespace) -> int:
     if args.streams is None:
         from ..transport.wan import default_streams
@@ -356,10 +421,20 @@ def main(args: argparse.Namespace) -> int:
                 for loss in (0.0, 0.001, 0.01)
                 for rate in (200.0, 1000.0)
             ]
-    steps = args.repeat + 3 * len(links) + (2 if links else 0)
+    args.tls_dir = None
+    tmp = tempfile.TemporaryDirectory(prefix="pddnet-bench-tls-")
+    if not args.no_tls:
+        from ..transport.testing import make_test_certs
+
+        if make_test_certs(tmp.name) is None:
+            print("no openssl command: skipping the TLS rows", file=sys.stderr)
+        else:
+            args.tls_dir = tmp.name
+    tls_steps = len(links) if args.tls_dir else 0
+    steps = args.repeat + 3 * len(links) + tls_steps + (2 if links else 0)
     rows: list[dict[str, Any]] = []
     prio = None
-    with Progress(steps, "bench wan") as bar:
+    with tmp, Progress(steps, "bench wan") as bar:
         if not args.no_loopback:
             rows += loopback(args, bar)
         prios: list[dict[str, Any]] = []
@@ -371,7 +446,8 @@ def main(args: argparse.Namespace) -> int:
                 prios.append(p)
                 if is_quick_link or prio is None:
                     prio = p
-    print_table(rows, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
+    shown = [{k: v for k, v in r.items() if k != "pacing"} for r in rows]  # pacing: in the JSON
+    print_table(shown, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
     summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
     lb = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == "loopback"}
     if lb:
@@ -383,6 +459,8 @@ def main(args: argparse.Namespace) -> int:
         if "iperf3" in q:
             summary["ratio_vs_iperf3"] = q["pddnet"] / q["iperf3"]
             summary["ratio_vs_single_tcp"] = q["pddnet"] / q["plain"]
+    summary.update(_tls_summary(rows, "loopback", "loopback_"))
+    summary.update(_tls_summary(rows, quick, ""))
     if prio:
         rtt = prio["rtt_s"]
         summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt

@@ -17,8 +17,12 @@ bounded in time, so a hang fails instead of blocking.
 from __future__ import annotations
 
 import functools
+import shutil
+import subprocess
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +32,7 @@ from .._errors import LocalProtocolError, PddnetError, TransferCancelled, Transf
 from ..kv import ByteRanges
 from ._base import Receiver, Sender, TransferState
 
-__all__ = ["Case", "check_transport", "make_case"]
+__all__ = ["Case", "TestCerts", "check_transport", "make_case", "make_test_certs"]
 
 Maker = Callable[[], AbstractAsyncContextManager[tuple[Sender, Receiver]]]
 K_SENTINEL = 0xA5
@@ -287,3 +291,71 @@ async def check_transport(maker: Maker, only: list[str] | None = None) -> list[s
                 raise AssertionError(f"transport check {name!r} raised {exc!r}") from exc
             ran.append(name)
     return ran
+
+
+# -- throwaway certificates for TLS tests and benchmarks ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TestCerts:
+    """PEM files made by :func:`make_test_certs` (paths as strings)."""
+
+    __test__ = False  # not a pytest class
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    other_ca: str  # an unrelated CA: verifies neither certificate
+
+
+def make_test_certs(directory: str | Path, *, hostname: str = "127.0.0.1") -> TestCerts | None:
+    """Make a CA, a server and a client certificate it signs, and an unrelated CA.
+
+    Uses the ``openssl`` command (EC P-256 keys, 1 day). For tests and
+    benchmarks only: the keys are unencrypted.
+
+    Args:
+        directory: where to write the PEM files.
+        hostname: the server certificate's subjectAltName (an IP or a DNS name);
+            ``localhost`` is always added.
+
+    Returns:
+        The file paths, or None when no ``openssl`` command is installed.
+
+    Raises:
+        subprocess.CalledProcessError: if ``openssl`` fails.
+    """
+    exe = shutil.which("openssl")
+    if exe is None:
+        return None
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*argv: str) -> None:
+        subprocess.run([exe, *argv], check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "other_ca"):
+        run("req", "-x509", *ec, "-keyout", str(d / f"{ca}.key"), "-out", str(d / f"{ca}.pem"),
+            "-days", "1", "-subj", f"/CN=pddnet test {ca}")  # fmt: skip
+    kind = "IP" if hostname.replace(".", "").isdigit() or ":" in hostname else "DNS"
+    for who, ext in (
+        ("server", f"subjectAltName={kind}:{hostname},DNS:localhost\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        key, csr, pem = (str(d / f"{who}.{x}") for x in ("key", "csr", "pem"))
+        run("req", "-new", *ec, "-keyout", key, "-out", csr, "-subj", f"/CN=pddnet test {who}")
+        extfile = d / f"{who}.ext"
+        extfile.write_text(ext + "\n")
+        run("x509", "-req", "-in", csr, "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+            "-CAcreateserial", "-out", pem, "-days", "1", "-extfile", str(extfile))  # fmt: skip
+    return TestCerts(
+        ca=str(d / "ca.pem"),
+        server_cert=str(d / "server.pem"),
+        server_key=str(d / "server.key"),
+        client_cert=str(d / "client.pem"),
+        client_key=str(d / "client.key"),
+        other_ca=str(d / "other_ca.pem"),
+    )

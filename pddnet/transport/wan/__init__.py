@@ -3,11 +3,13 @@
 ``WanReceiver`` grants destination memory and receives into it; ``WanSender``
 keeps N persistent TCP streams to one receiver and schedules every transfer
 to it over them. The scheduling, acceptance and pacing logic are sans-IO
-(``Scheduler``, ``GrantTable``, ``Pacer``). See docs/wan.md for the design.
+(``Scheduler``, ``GrantTable``, ``Pacer``). Optional TLS (``TlsConfig``) and
+the receiver's resource bounds (``WanLimits``). See docs/wan.md for the design.
 """
 
 from ._acceptor import GrantTable
 from ._framing import LinkCode, LinkFrame, LinkKind
+from ._limits import WanLimitExceeded, WanLimits
 from ._messages import WanCancel, WanGrant, WanGrantRequest
 from ._pacer import (
     AdaptivePacer,
@@ -22,6 +24,7 @@ from ._pacer import (
 from ._receiver import ReceiverStatistics, WanReceiver
 from ._scheduler import Chunk, Scheduler
 from ._sender import SenderStatistics, StreamStatistics, WanSender, WanTransfer, default_streams
+from ._tls import TlsConfig
 
 __all__ = [
     "AdaptivePacer",
@@ -38,9 +41,12 @@ __all__ = [
     "SenderStatistics",
     "StreamStatistics",
     "TcpSample",
+    "TlsConfig",
     "WanCancel",
     "WanGrant",
     "WanGrantRequest",
+    "WanLimitExceeded",
+    "WanLimits",
     "WanReceiver",
     "WanSender",
     "WanTransfer",

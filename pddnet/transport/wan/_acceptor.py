@@ -23,7 +23,14 @@ what to do with the payload *before* reading it:
   transfer id, a range outside ``[0, total)``, a partial overlap with verified
   or in-progress bytes. A known transfer also fails.
 
-Invariants: a byte outside a grant is never returned as a destination piece;
+Resource bounds (:class:`~._limits.WanLimits`): :meth:`GrantTable.add` refuses
+a grant that would take the live grants, or their bytes, past a bound (in
+total or for its peer) with :class:`~._limits.WanLimitExceeded`, before
+registering anything; the per-peer counts fall back when a grant ends.
+
+Invariants: a byte outside a grant is never returned as a destination piece,
+and no byte is written into a grant's pieces after it ended (its
+:class:`WritePermit` is revoked; the driver checks it before every read);
 two connections never write the same destination bytes at once; a chunk
 counts once; a transfer completes exactly when ``verified.total == total``.
 """
@@ -44,6 +51,7 @@ from ..._errors import (
 from ...kv import ByteRanges
 from ...wire import ChunkHeader
 from .._intervals import IntervalSet
+from ._limits import WanLimits, check
 
 __all__ = [
     "Action",
@@ -69,6 +77,7 @@ class Action(enum.Enum):
 class Decision:
     action: Action
     pieces: tuple[tuple[int, int, int], ...] = ()
+    permit: WritePermit | None = None  # WRITE: check it before every read into ``pieces``
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,16 +102,33 @@ class TransferEnded:
 Event = LayerVerified | TransferVerified | TransferEnded
 
 
+class WritePermit:
+    """A grant's licence to write into its blocks, revoked the moment the grant ends.
+
+    The driver reads a ``WRITE`` payload in several ``recv_into`` calls and
+    checks :attr:`live` before each one, with no await in between: once a
+    transfer was cancelled, failed or timed out (and its blocks may belong to
+    someone else), not one more byte of it lands in them.
+    """
+
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
+
+
 @dataclass(slots=True, eq=False)
 class _Grant:
     transfer_id: int
     ranges: ByteRanges
     layer_ends: tuple[int, ...]
     deadline: float | None
+    peer: str | None = None
     verified: IntervalSet = field(default_factory=IntervalSet)
     pending: dict[tuple[int, int], object] = field(default_factory=dict)  # (lo, hi) -> conn
     layers_done: set[int] = field(default_factory=set)
     checksum_failures: int = 0
+    permit: WritePermit = field(default_factory=WritePermit)
 
 
 class GrantTable:
@@ -110,10 +136,14 @@ class GrantTable:
 
     Args:
         max_chunk: largest chunk payload accepted.
+        limits: bounds on live grants (default :class:`~._limits.WanLimits`).
     """
 
-    def __init__(self, max_chunk: int) -> None:
+    def __init__(self, max_chunk: int, limits: WanLimits | None = None) -> None:
         self.max_chunk = max_chunk
+        self.limits = WanLimits() if limits is None else limits
+        self.bytes_granted = 0  # bytes of live grants
+        self._peer_use: dict[str, tuple[int, int]] = {}  # peer -> (live grants, bytes)
         self._grants: dict[int, _Grant] = {}
         self._ended: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # tid -> (total, ok)
         self.bytes_verified = 0
@@ -133,13 +163,42 @@ class GrantTable:
         ranges: ByteRanges,
         layer_ends: tuple[int, ...] = (),
         deadline: float | None = None,
+        peer: str | None = None,
     ) -> list[Event]:
-        """Register a grant; returns events (an empty grant is verified at once)."""
+        """Register a grant; returns events (an empty grant is verified at once).
+
+        Raises:
+            WanLimitExceeded: if the grant would pass a bound of :attr:`limits`
+                (nothing is registered).
+        """
         if transfer_id in self._grants or transfer_id in self._ended:
             raise ValueError(f"transfer id {transfer_id} reused")
-        g = _Grant(transfer_id, ranges, layer_ends, deadline)
+        self.check_limits(ranges.total, peer, transfer_id)
+        g = _Grant(transfer_id, ranges, layer_ends, deadline, peer)
         self._grants[transfer_id] = g
+        self.bytes_granted += ranges.total
+        if peer is not None:
+            n, b = self._peer_use.get(peer, (0, 0))
+            self._peer_use[peer] = (n + 1, b + ranges.total)
         return self._progress(g, 0, 0)
+
+    def check_limits(self, nbytes: int, peer: str | None, transfer_id: int | None = None) -> None:
+        """Raise if one more grant of ``nbytes`` for ``peer`` would pass a bound.
+
+        Raises:
+            WanLimitExceeded: naming the first bound passed.
+        """
+        lim, tid = self.limits, transfer_id
+        check(lim, "max_transfers", len(self._grants), 1, peer=peer, transfer_id=tid)
+        check(lim, "max_bytes", self.bytes_granted, nbytes, peer=peer, transfer_id=tid)
+        if peer is not None:
+            n, b = self._peer_use.get(peer, (0, 0))
+            check(lim, "max_transfers_per_peer", n, 1, peer=peer, transfer_id=tid)
+            check(lim, "max_bytes_per_peer", b, nbytes, peer=peer, transfer_id=tid)
+
+    def peer_usage(self, peer: str) -> tuple[int, int]:
+        """``(live grants, bytes of live grants)`` of ``peer``."""
+        return self._peer_use.get(peer, (0, 0))
 
     def verified_bytes(self, transfer_id: int) -> int:
         g = self._grants.get(transfer_id)
@@ -178,7 +237,7 @@ class GrantTable:
                     return Decision(Action.DRAIN_DUP)
                 raise self._violation(tid, f"chunk [{lo}, {hi}) overlaps one in progress")
         g.pending[(lo, hi)] = conn
-        return Decision(Action.WRITE, tuple(g.ranges.pieces(lo, hi)))
+        return Decision(Action.WRITE, tuple(g.ranges.pieces(lo, hi)), g.permit)
 
     def _violation(self, tid: int, why: str) -> RemoteProtocolError:
         err = RemoteProtocolError(why, transfer_id=tid)
@@ -245,6 +304,12 @@ class GrantTable:
 
     def _retire(self, tid: int, ok: bool) -> None:
         g = self._grants.pop(tid)
+        g.permit.live = False  # payloads still arriving for it go nowhere
+        self.bytes_granted -= g.ranges.total
+        if g.peer is not None:
+            n, b = self._peer_use.pop(g.peer)
+            if n > 1:
+                self._peer_use[g.peer] = (n - 1, b - g.ranges.total)
         self._ended[tid] = (g.ranges.total, ok)
         while len(self._ended) > K_TOMBSTONES:
             self._ended.popitem(last=False)

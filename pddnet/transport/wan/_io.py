@@ -6,12 +6,20 @@ The hot loops use plain non-blocking sockets and wait with
 even when data is ready; on a 1 MiB chunk that is dozens of extra scheduler
 passes per chunk, which halved loopback goodput in measurement (docs/wan.md).
 Each helper still checkpoints once per call, as trio requires.
+
+The same helpers drive TLS sockets (``ssl.SSLSocket``, see :mod:`._tls`):
+``recv_into`` then decrypts straight into the destination, ``SSLWantRead``/
+``SSLWantWrite`` take the place of ``EAGAIN``, and, as ``SSLSocket`` has no
+``sendmsg``, the buffers are written one ``send`` each (OpenSSL cuts them into
+records anyway, so there is no joining copy either).
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import ssl
+from typing import Protocol
 
 import trio
 import xxhash
@@ -22,6 +30,7 @@ from ...wire import ChecksumAlgo
 __all__ = [
     "Digest",
     "EndOfStream",
+    "Revoked",
     "accept",
     "close",
     "connect",
@@ -32,22 +41,49 @@ __all__ = [
 
 _IOV_MAX = 512  # well under Linux's 1024
 K_RCVLOWAT = 256 << 10  # most bytes to wait for before a readable wake-up
+# OpenSSL may hold part of a record already (up to 16 KiB of plaintext plus its
+# overhead), so on TLS fewer wire bytes than the plaintext still wanted may
+# complete it: the low-water mark stays this far below what we want.
+K_TLS_RECORD_MARGIN = 17 << 10
+K_TLS_POLL_S = 0.001
 
 
 class EndOfStream(Exception):
     """The peer closed the connection."""
 
 
-async def recv_exact(sock: socket.socket, mv: memoryview) -> None:
+class Revoked(Exception):
+    """The destination's write permit was revoked; ``got`` bytes had landed."""
+
+    def __init__(self, got: int) -> None:
+        super().__init__(got)
+        self.got = got
+
+
+class Permit(Protocol):
+    live: bool
+
+
+async def recv_exact(sock: socket.socket, mv: memoryview, permit: Permit | None = None) -> None:
     """Fill ``mv`` from ``sock`` (``recv_into`` straight into it).
+
+    Args:
+        permit: checked right before every ``recv_into`` (no await between):
+            once ``permit.live`` is false, nothing more is read into ``mv``.
 
     Raises:
         EndOfStream: if the peer closes first.
-        OSError: on a socket error.
+        Revoked: if the permit was revoked before ``mv`` was full.
+        OSError: on a socket error (``ssl.SSLError`` on a TLS one).
     """
     await trio.lowlevel.checkpoint_if_cancelled()
+    if isinstance(sock, ssl.SSLSocket):
+        await _recv_exact_tls(sock, mv, permit)
+        return
     got, n = 0, len(mv)
     while got < n:
+        if permit is not None and not permit.live:
+            raise Revoked(got)
         try:
             k = sock.recv_into(mv[got:] if got else mv)
         except BlockingIOError:
@@ -63,9 +99,43 @@ async def recv_exact(sock: socket.socket, mv: memoryview) -> None:
         got += k
 
 
+async def _recv_exact_tls(sock: ssl.SSLSocket, mv: memoryview, permit: Permit | None) -> None:
+    got, n = 0, len(mv)
+    lowat = 1
+    while got < n:
+        if permit is not None and not permit.live:
+            if lowat != 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            raise Revoked(got)
+        try:
+            k = sock.recv_into(mv[got:] if got else mv)
+        except ssl.SSLWantReadError:
+            want = max(1, min(n - got - K_TLS_RECORD_MARGIN, K_RCVLOWAT))
+            if want != lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        except ssl.SSLWantWriteError:
+            # A read that must write first (a TLS 1.3 key update). Another task may be
+            # waiting for writability on this socket (trio allows one): poll instead.
+            await trio.sleep(K_TLS_POLL_S)
+            continue
+        except ssl.SSLZeroReturnError:
+            raise EndOfStream from None
+        if not k:
+            raise EndOfStream
+        got += k
+    if lowat != 1:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
 async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
     """Send every buffer in order with ``sendmsg`` (gather write, no joining copy)."""
     await trio.lowlevel.checkpoint_if_cancelled()
+    if isinstance(sock, ssl.SSLSocket):
+        await _send_all_tls(sock, bufs)
+        return
     i = 0
     while i < len(bufs):
         try:
@@ -81,6 +151,23 @@ async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
             else:
                 bufs[i] = head[n:]
                 n = 0
+
+
+async def _send_all_tls(sock: ssl.SSLSocket, bufs: list[memoryview]) -> None:
+    for buf in bufs:
+        while buf:
+            try:
+                n = sock.send(buf)
+            except ssl.SSLWantWriteError:
+                # OpenSSL keeps what it encrypted; the retry passes the same bytes
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            except ssl.SSLWantReadError:
+                # a write that must read first (renegotiation is off, so hardly
+                # ever); the reading task owns wait_readable: poll instead
+                await trio.sleep(K_TLS_POLL_S)
+                continue
+            buf = buf[n:]
 
 
 async def connect(sock: socket.socket, addr: tuple[str, int]) -> None:

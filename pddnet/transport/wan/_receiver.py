@@ -5,6 +5,11 @@ task reads a 40-byte frame, asks the grant table what to do, and ``recv_into``
 the payload straight into the destination pieces (no intermediate copy),
 checks the checksum, and acknowledges on the same connection. A connection
 that breaks a rule is answered with a FAIL frame (best effort) and closed.
+
+A fresh connection first passes the connection bounds of :class:`WanLimits`
+(else it is closed unread), then, if configured, the TLS handshake
+(:class:`TlsConfig`), then the challenge-response under the shared secret
+(inside TLS when both are on); only then is a chunk header read.
 """
 
 from __future__ import annotations
@@ -26,17 +31,20 @@ from ..._errors import (
     PddnetError,
     PeerUnavailable,
     RemoteProtocolError,
+    ResourceLimitError,
     TransferCancelled,
 )
 from ...kv import ByteRanges
 from ...wire import K_CHUNK_HEADER_SIZE, ChunkHeader
-from ...wire._auth import AuthRole
+from ...wire._auth import K_AUTH_MAGIC, AuthFrame, AuthKind, AuthRole
 from .._auth import authenticate
 from .._base import Grant, Receiver, views_of
 from ._acceptor import Action, Event, GrantTable, LayerVerified, TransferEnded, TransferVerified
 from ._framing import K_LINK_MAGIC, LinkCode, LinkFrame, LinkKind
-from ._io import Digest, EndOfStream, accept, close, recv_exact, send_all
+from ._io import Digest, EndOfStream, Revoked, accept, close, recv_exact, send_all
+from ._limits import WanLimitExceeded, WanLimits, check
 from ._sockopts import tune_socket
+from ._tls import TlsConfig, tls_handshake
 
 __all__ = ["ReceiverStatistics", "WanReceiver"]
 
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 K_DEFAULT_MAX_CHUNK = 16 << 20
 K_DEFAULT_BUFFER = 32 << 20
 K_SCRATCH = 1 << 20
+_TLS_HANDSHAKE = 0x16  # the content type of a TLS handshake record: a ClientHello's first byte
 _SOCKET_ERRORS = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
 
 
@@ -58,6 +67,10 @@ class ReceiverStatistics:
     protocol_errors: int
     connections: int
     grants: int
+    bytes_granted: int = 0
+    tls_failures: int = 0
+    auth_failures: int = 0
+    limit_rejections: int = 0
 
 
 @dataclass(eq=False)
@@ -95,6 +108,13 @@ class WanReceiver(Receiver):
         buffer_bytes: ``SO_RCVBUF`` of each connection.
         secret: if set, a connection must prove the shared secret
             (challenge-response) before a single chunk header is read.
+        tls: if set, every connection is TLS (:class:`TlsConfig`: ``cert``
+            required; ``require_client_cert`` for mutual TLS); the
+            challenge-response, if on, runs inside it.
+        limits: resource bounds (:class:`WanLimits`; default its defaults).
+
+    Raises:
+        LocalProtocolError: if the TLS configuration is incomplete or unreadable.
     """
 
     def __init__(
@@ -105,13 +125,24 @@ class WanReceiver(Receiver):
         max_chunk: int = K_DEFAULT_MAX_CHUNK,
         buffer_bytes: int = K_DEFAULT_BUFFER,
         secret: bytes | None = None,
+        tls: TlsConfig | None = None,
+        limits: WanLimits | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.buffer_bytes = buffer_bytes
         self.secret = secret
+        self.tls = tls
+        self._tls_ctx = tls.server_context() if tls is not None else None
+        self.limits = WanLimits() if limits is None else limits
         self.auth_failures = 0
-        self._table = GrantTable(max_chunk)
+        self.tls_failures = 0
+        self.limit_rejections = 0
+        self.last_limit_error: WanLimitExceeded | None = None
+        self._conn_count = 0  # accepted and not yet closed, handshaking or not
+        self._conns_per_ip: dict[str, int] = {}
+        self._handshakes = 0
+        self._table = GrantTable(max_chunk, self.limits)
         self._waiters: dict[int, _Waiter] = {}
         self._ended: dict[int, _Waiter] = {}
         self._conns: set[_Conn] = set()
@@ -160,7 +191,23 @@ class WanReceiver(Receiver):
         *,
         num_layers: int | None = None,
         timeout: float | None = None,
+        peer: str | None = None,
     ) -> Grant:
+        """Register destination ``ranges`` of ``views`` (see :meth:`Receiver.grant`).
+
+        Args:
+            views: writable destination buffers, indexed by ``ranges.buffer``.
+            ranges: destination byte ranges (their logical space is the grant's).
+            num_layers: report per-layer readiness for this many layers.
+            timeout: seconds until the grant expires with TransferTimeout.
+            peer: the sender's name, for the per-peer bounds of :class:`WanLimits`
+                (None: only the receiver-wide bounds apply).
+
+        Raises:
+            WanLimitExceeded: (a ResourceLimitError) if the grant would pass a
+                bound; nothing is registered and no byte can arrive for it.
+            LocalProtocolError: if the ranges do not fit the buffers.
+        """
         mvs = views_of(views)
         for b in {int(x) for x in ranges.buffer}:
             if not 0 <= b < len(mvs):
@@ -180,7 +227,12 @@ class WanReceiver(Receiver):
             tid = secrets.randbits(63) or 1
         deadline = None if timeout is None else trio.current_time() + timeout
         self._waiters[tid] = _Waiter(mvs)
-        self._dispatch(self._table.add(tid, ranges, layer_ends, deadline))
+        try:
+            events = self._table.add(tid, ranges, layer_ends, deadline, peer)
+        except ResourceLimitError:
+            del self._waiters[tid]
+            raise
+        self._dispatch(events)
         self._kick_timer()
         return Grant(tid, ranges.total, layer_ends, self.address)
 
@@ -235,7 +287,15 @@ class WanReceiver(Receiver):
             protocol_errors=self._protocol_errors,
             connections=len(self._conns),
             grants=len(self._table),
+            bytes_granted=self._table.bytes_granted,
+            tls_failures=self.tls_failures,
+            auth_failures=self.auth_failures,
+            limit_rejections=self.limit_rejections,
         )
+
+    def peer_usage(self, peer: str) -> tuple[int, int]:
+        """``(live grants, bytes of live grants)`` of ``peer``."""
+        return self._table.peer_usage(peer)
 
     # -- internals -----------------------------------------------------------------
 
@@ -286,18 +346,68 @@ class WanReceiver(Receiver):
         try:
             while True:
                 sock = await accept(self._listener)
-                tune_socket(
-                    sock,
-                    buffer_bytes=self.buffer_bytes,
-                    congestion=None,
-                    notsent_lowat=None,
-                    sender=False,
-                )
-                self._nursery.start_soon(self._serve, sock)
+                try:
+                    ip = str(sock.getpeername()[0])
+                    tune_socket(
+                        sock,
+                        buffer_bytes=self.buffer_bytes,
+                        congestion=None,
+                        notsent_lowat=None,
+                        sender=False,
+                    )
+                    self._admit(ip)  # last: nothing below can fail before _serve releases
+                except OSError:  # reset before we got to it
+                    close(sock)
+                    continue
+                except WanLimitExceeded as exc:
+                    self._refused(exc)
+                    close(sock)
+                    continue
+                self._nursery.start_soon(self._serve, sock, ip)
         finally:
             close(self._listener)
 
-    async def _serve(self, sock: Any) -> None:
+    def _admit(self, ip: str) -> None:
+        """Count a new connection from ``ip``, or raise if it passes a bound."""
+        lim = self.limits
+        per_ip = self._conns_per_ip.get(ip, 0)
+        check(lim, "max_connections", self._conn_count, 1, peer=ip)
+        check(lim, "max_connections_per_peer", per_ip, 1, peer=ip)
+        if self._tls_ctx is not None or self.secret is not None:
+            check(lim, "max_handshakes", self._handshakes, 1, peer=ip)
+            self._handshakes += 1
+        self._conn_count += 1
+        self._conns_per_ip[ip] = per_ip + 1
+
+    def _release(self, ip: str) -> None:
+        self._conn_count -= 1
+        n = self._conns_per_ip.pop(ip) - 1
+        if n:
+            self._conns_per_ip[ip] = n
+
+    def _refused(self, exc: WanLimitExceeded) -> None:
+        self.limit_rejections += 1
+        self.last_limit_error = exc
+        if self.limit_rejections == 1 or self.limit_rejections % 1000 == 0:
+            log.warning(
+                "WAN receiver refused a connection (%d so far): %s", self.limit_rejections, exc
+            )
+
+    async def _handshake(self, sock: Any) -> Any:
+        """TLS, then the challenge-response; returns the socket to use or None."""
+        if self._tls_ctx is not None:
+            assert self.tls is not None
+            if not await self._looks_like_tls(sock, self.tls.handshake_timeout):
+                return None
+            try:
+                sock = await tls_handshake(
+                    sock, self._tls_ctx, server_side=True, timeout=self.tls.handshake_timeout
+                )
+            except (AuthError, PeerUnavailable) as exc:
+                self.tls_failures += 1
+                if self.tls_failures == 1:
+                    log.warning("dropping a WAN connection that failed TLS: %s", exc)
+                return None  # tls_handshake closed it
         if self.secret is not None:
             try:
                 await authenticate(sock, self.secret, AuthRole.RESPONDER, channel="wan")
@@ -306,13 +416,63 @@ class WanReceiver(Receiver):
                 if self.auth_failures == 1:
                     log.warning("dropping an unauthenticated WAN connection: %s", exc)
                 close(sock)
-                return
+                return None
+        return sock
+
+    async def _looks_like_tls(self, sock: Any, timeout: float) -> bool:
+        """Peek at the first bytes; False (socket closed) if they cannot be TLS.
+
+        A sender without TLS opens with the challenge-response's CHALLENGE frame;
+        answering it with a plaintext FAIL frame makes its handshake fail at once
+        with AuthError, instead of an EOF it would retry until its peer timeout.
+        """
+        first = b""
+        with trio.move_on_after(timeout):
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    first = sock.recv(len(K_AUTH_MAGIC), socket.MSG_PEEK)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    first = b""
+                    break
+                if not first or len(first) == len(K_AUTH_MAGIC) or first[0] == _TLS_HANDSHAKE:
+                    break
+                await trio.sleep(0.01)  # a partial frame: readable stays true, wait a bit
+        if first and first[0] == _TLS_HANDSHAKE:
+            return True
+        self.tls_failures += 1
+        if self.tls_failures == 1:
+            log.warning("dropping a connection to a TLS receiver that is not TLS (%r)", first)
+        if first == K_AUTH_MAGIC:
+            with contextlib.suppress(OSError):
+                sock.send(AuthFrame(AuthKind.FAIL).encode())
+        close(sock)
+        return False
+
+    async def _serve(self, sock: Any, ip: str) -> None:
+        try:
+            if self._tls_ctx is not None or self.secret is not None:
+                try:
+                    sock = await self._handshake(sock)
+                finally:
+                    self._handshakes -= 1
+                if sock is None:
+                    return
+            await self._serve_authenticated(sock)
+        finally:
+            self._release(ip)
+
+    async def _serve_authenticated(self, sock: Any) -> None:
         conn = _Conn(sock)
         self._conns.add(conn)
         try:
             await self._serve_conn(conn)
         except (EndOfStream, OSError, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
+        except WanLimitExceeded as exc:  # slowloris: a header without its body in time
+            self._refused(exc)
         except RemoteProtocolError as exc:
             self._protocol_errors += 1
             log.warning("dropping WAN connection: %s", exc)
@@ -334,6 +494,7 @@ class WanReceiver(Receiver):
         hv = memoryview(hbuf)
         scratch: memoryview | None = None
         table = self._table
+        body_timeout = self.limits.body_timeout
         while True:
             await recv_exact(sock, hv)
             if hbuf[:4] == K_LINK_MAGIC:
@@ -347,39 +508,63 @@ class WanReceiver(Receiver):
                 raise
             decision = table.begin(header, conn)
             tid = header.transfer_id
-            if decision.action is Action.WRITE:
+            body_by = math.inf if body_timeout is None else trio.current_time() + body_timeout
+            action, left = decision.action, header.length
+            if action is Action.WRITE:
                 views = self._waiters[tid].views
                 digest = Digest(header.algo)
                 try:
-                    for b, o, n in decision.pieces:
-                        dst = views[b][o : o + n]
-                        await recv_exact(sock, dst)
-                        digest.update(dst)
+                    with trio.move_on_at(body_by) as scope:
+                        for b, o, n in decision.pieces:
+                            dst = views[b][o : o + n]
+                            await recv_exact(sock, dst, decision.permit)
+                            digest.update(dst)
+                            left -= n
+                    if scope.cancelled_caught:
+                        raise self._slow_body(header, body_by)
+                except Revoked as exc:
+                    # The transfer ended while this payload arrived, and its blocks may
+                    # be someone else's now: the rest of it goes to scratch.
+                    left -= exc.got
+                    action = Action.DRAIN_ENDED
                 except BaseException:
                     table.abort(header, conn)
                     raise
-                ok = digest.value() == header.checksum
-                self._dispatch(table.finish(header, conn, ok))
-                if not ok:
-                    raise RemoteProtocolError("chunk payload checksum mismatch", transfer_id=tid)
-                await conn.send_frame(LinkFrame(LinkKind.ACK, tid, header.offset, header.length))
-                continue
-            # drain a payload we will not keep
+                if action is Action.WRITE:
+                    ok = digest.value() == header.checksum
+                    self._dispatch(table.finish(header, conn, ok))
+                    if not ok:
+                        raise RemoteProtocolError(
+                            "chunk payload checksum mismatch", transfer_id=tid
+                        )
+                    frame = LinkFrame(LinkKind.ACK, tid, header.offset, header.length)
+                    await conn.send_frame(frame)
+                    continue
+            # drain (the rest of) a payload we will not keep
             if scratch is None:
                 scratch = memoryview(bytearray(K_SCRATCH))
-            left = header.length
-            while left:
-                k = min(left, len(scratch))
-                await recv_exact(sock, scratch[:k])
-                left -= k
-            table.bytes_dropped += header.length
+            table.bytes_dropped += left
+            with trio.move_on_at(body_by) as scope:
+                while left:
+                    k = min(left, len(scratch))
+                    await recv_exact(sock, scratch[:k])
+                    left -= k
+            if scope.cancelled_caught:
+                raise self._slow_body(header, body_by)
             kind = {
                 Action.DRAIN_ACK: LinkKind.ACK,
                 Action.DRAIN_DUP: LinkKind.DUP,
                 Action.DRAIN_ENDED: LinkKind.CANCELLED,
-            }[decision.action]
+            }[action]
             code = LinkCode.CANCELLED if kind is LinkKind.CANCELLED else LinkCode.NONE
             await conn.send_frame(LinkFrame(kind, tid, header.offset, header.length, code))
+
+    def _slow_body(self, header: ChunkHeader, body_by: float) -> WanLimitExceeded:
+        """The error for a payload not read by ``body_by`` (requested: seconds taken so far)."""
+        timeout = self.limits.body_timeout
+        assert timeout is not None
+        taken = timeout + trio.current_time() - body_by
+        return WanLimitExceeded("body_timeout", timeout, taken, transfer_id=header.transfer_id)
 
     async def _on_link_frame(self, frame: LinkFrame) -> None:
         if frame.kind is LinkKind.CANCEL:

@@ -8,6 +8,12 @@ stream that fails hands its unacknowledged chunks back to the scheduler and
 reconnects with exponential backoff. A sampling task reads ``TCP_INFO`` from
 every stream and applies the pacer's decisions. A timer task enforces
 deadlines and reports a peer that stays unreachable as ``PeerUnavailable``.
+
+Each connection is, in order: TCP connect, TLS handshake (if a
+:class:`TlsConfig` is given), the challenge-response under the shared secret
+(if one is given; inside TLS when both are on). A connection that fails TLS
+or authentication while no stream is up fails the running transfers at once
+with :class:`~pddnet.AuthError` (a misconfiguration does not heal by waiting).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from ._io import EndOfStream, close, connect, digest_of, recv_exact, send_all
 from ._pacer import Pacer, PacingDecision, TcpSample, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferCompleted, TransferFailed, TransferProgress
 from ._sockopts import available_congestion, read_tcp_info, set_pacing_rate, tune_socket
+from ._tls import TlsConfig, tls_handshake
 
 __all__ = ["SenderStatistics", "StreamStatistics", "WanSender", "WanTransfer", "default_streams"]
 
@@ -219,9 +226,16 @@ class WanSender(Sender):
         notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables).
         secret: if set, every stream proves the shared secret to the receiver
             (challenge-response, :mod:`pddnet.transport._auth`) before any chunk.
+        tls: if set, every stream is TLS (:class:`TlsConfig`: ``ca`` to verify the
+            receiver, ``cert``/``key`` for mutual TLS); the challenge-response,
+            if on, runs inside it.
         peer_timeout: seconds with no stream connected (or unacknowledged data
             stuck, via ``TCP_USER_TIMEOUT``) before running transfers fail with
             PeerUnavailable.
+
+    Raises:
+        LocalProtocolError: on a malformed address, no streams, or a TLS
+            configuration that cannot be loaded.
     """
 
     def __init__(
@@ -245,6 +259,7 @@ class WanSender(Sender):
         peer_timeout: float = 10.0,
         max_backoff: float = 1.0,
         secret: bytes | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -262,6 +277,9 @@ class WanSender(Sender):
         self.notsent_lowat = notsent_lowat
         self.peer_timeout = peer_timeout
         self.secret = secret
+        self.tls = tls
+        self._tls_ctx = tls.client_context() if tls is not None else None
+        self._tls_name = (tls.server_hostname or host) if tls is not None else None
         self.auth_failures = 0
         self.max_backoff = max_backoff
         self._sched = Scheduler(chunk_size, policy=policy, max_copies=2 if hedge else 1)
@@ -518,7 +536,7 @@ class WanSender(Sender):
         self._pump()
 
     async def _connect(self, s: _Stream) -> Any:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock: Any = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             express = s.index >= self._nbulk
@@ -536,10 +554,24 @@ class WanSender(Sender):
             if self._applied_rate is not None and s.index < self._nbulk:
                 set_pacing_rate(sock, self._applied_rate)
             await connect(sock, self._addr)
+            if self._tls_ctx is not None:
+                assert self.tls is not None
+                try:
+                    sock = await tls_handshake(
+                        sock,
+                        self._tls_ctx,
+                        server_side=False,
+                        server_hostname=self._tls_name,
+                        timeout=self.tls.handshake_timeout,
+                    )
+                except BaseException:
+                    sock = None  # detached by the wrap; tls_handshake closed it
+                    raise
             if self.secret is not None:
                 await authenticate(sock, self.secret, AuthRole.INITIATOR, channel="wan")
         except BaseException:
-            close(sock)
+            if sock is not None:
+                close(sock)
             raise
         return sock
 
@@ -553,6 +585,7 @@ class WanSender(Sender):
                     self.auth_failures += 1
                     if self.auth_failures == 1:
                         log.warning("stream to %s: authentication failed: %s", self.address, exc)
+                    self._auth_failed(exc)
                 log.debug("stream %d: connect to %s failed: %s", s.index, self.address, exc)
                 await trio.sleep(backoff * (0.5 + secrets.randbelow(1000) / 1000))
                 backoff = min(backoff * 2, self.max_backoff)
@@ -580,6 +613,21 @@ class WanSender(Sender):
                 self._sched.on_stream_failed(s.index)
                 self._stream_state_changed()
             await trio.sleep(backoff)
+
+    def _auth_failed(self, exc: AuthError) -> None:
+        """TLS or the challenge-response failed: with no stream up, fail what runs."""
+        if any(s.up for s in self._streams):
+            return
+        for tid in self._sched.running():
+            self._sched.cancel(
+                tid,
+                AuthError(
+                    f"cannot connect to {self.address}: {exc.message}",
+                    peer=self.address,
+                    transfer_id=tid,
+                ),
+            )
+        self._pump()
 
     async def _send_loop(self, s: _Stream, sock: Any) -> None:
         hello = LinkFrame(LinkKind.HELLO, self._session, s.index)
