@@ -573,19 +573,28 @@ class RelayEndpoint(_DecodeEndpoint):
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,
             have P cancel the WAN transfer (the strange-traffic cut-off).
+        local_options: (RLD) keyword arguments for the UCX receiver, e.g.
+            ``{"busy_poll_us": 100}`` for the low-latency mode (docs/local.md).
     """
 
     role = "relay"
 
-    def __init__(self, *args: Any, cut_off_wan: bool = True, **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        cut_off_wan: bool = True,
+        local_options: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        self.local_options = local_options or {}  # read by _default_receiver
         super().__init__(*args, **kw)
         self.cut_off_wan = cut_off_wan
 
     def _default_receiver(self, data_host: str) -> Receiver:
         # the local path: UCX where ucxx is installed (RDMA/shared memory/tcp),
         # else TCP with a one-time warning
-        if local_available():
-            return open_local_receiver()
+        if local_available():  # senders prove the control plane's secret first
+            return open_local_receiver(secret=self.node.key, **self.local_options)
         return self._wan_receiver(data_host)
 
     async def _serve(self, req: _Request) -> None:

@@ -234,10 +234,7 @@ class PrefillEndpoint:
         await self.node.connect(info.name, info.control)
         # TCP streams prove the shared secret before any chunk
         if info.role == "relay":  # UCX for a ucx: address, else TCP
-            extra: dict[str, Any] = (
-                {} if info.data.startswith("ucx:") else {"secret": self.node.key}
-            )
-            sender = open_local_sender(info.data, **extra, **self._local_options)
+            sender = open_local_sender(info.data, secret=self.node.key, **self._local_options)
         else:
             sender = WanSender(info.data, secret=self.node.key, **self._wan_options)
         scope = trio.CancelScope()

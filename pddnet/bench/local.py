@@ -6,14 +6,25 @@ buffer and waits until the receiver confirms (for pddnet, the transport's own
 DONE; for the others, an 8-byte acknowledgement or the library's completion
 notification). The median over many repetitions is the latency, ``S /
 median`` the throughput. Sizes run from 4 KiB to 256 MiB (``--quick``: 4 KiB,
-1 MiB, 16 MiB).
+1 MiB, 16 MiB). Grants are made ahead: the control-plane trip of a grant is
+not measured (like NIXL's post + wait).
+
+Where the receiver reports it, ``one_way_us`` is the median time from the
+sender's start until the *receiver* knows the data landed (both read
+``time.perf_counter``, CLOCK_MONOTONIC, one clock for the host's processes).
+pddnet rows also give CPU time per transfer (``cpu_us`` sender,
+``server_cpu_us`` receiver). The server child is pinned to one CPU and the
+client to another unless ``--no-pin`` (busy-polling peers collapse when the
+OS puts both on one core).
 
 Rows, each in two transport settings where it applies (``sm``:
 ``UCX_TLS=tcp,sm,self``, which takes shared memory; ``tcp``: ``UCX_TLS=tcp,self``):
 
 * ``pddnet``: :class:`~pddnet.transport.local.UcxSender` /
   :class:`~pddnet.transport.local.UcxReceiver` driven from trio (grants made
-  ahead, one transfer at a time);
+  ahead, one transfer at a time, authenticated with a shared secret);
+* ``pddnet_poll``: the same in the low-latency mode (``busy_poll_us`` =
+  ``--poll-us``; ``PDDNET_BENCH_POLL_MAX`` overrides its 64 KiB size limit);
 * ``raw_ucxx``: ucxx's tag API in a tight busy-polling loop (no trio, no
   protocol): the ceiling for anything built on ucxx;
 * ``raw_ucxx_epoll``: the same, but sleeping on the worker's epoll fd (2 ms
@@ -21,6 +32,9 @@ Rows, each in two transport settings where it applies (``sm``:
 * ``tcp``: blocking Python sockets, ``sendall`` / ``recv_into`` (one stream);
 * ``nixl``: NIXL (``nixl-cu12``, UCX backend) WRITE, initiator progress
   thread off, from a separate environment (``--peer-venv``, made on demand);
+  a one-sided put: the target is not told;
+* ``nixl_notif``: WRITE with a notification, which the target busy-polls for
+  (its ``one_way_us`` is the like-for-like "receiver knows" time);
 * ``mooncake``: the Mooncake Transfer Engine (``tcp`` protocol), same venv.
 
 A peer that cannot be installed or run gets its exact error in the JSON, and
@@ -39,12 +53,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ._common import add_common_arguments, print_table, write_report
 
 K_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
 K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self"}
 K_PEER_VENV = "/tmp/pdd-bench-venv"
+K_POLL_US = 300.0
 
 
 def _iters(size: int, quick: bool) -> int:
@@ -61,6 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", nargs="*", help="implementations to run")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per peer")
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="don't pin the server to CPU 0 and the client to CPU 1",
+    )
+    parser.add_argument(
+        "--poll-us",
+        type=float,
+        default=K_POLL_US,
+        help="busy-poll budget of the pddnet_poll rows (low-latency mode)",
+    )
 
 
 # ------------------------------------------------------------------ children
@@ -68,14 +96,19 @@ _COMMON = """
 import json, os, sys, time
 import numpy as np
 SIZES = json.loads(sys.argv[2]); ITERS = json.loads(sys.argv[3])
+_CPU = os.environ.get("PDDNET_BENCH_CPU_" + sys.argv[1].upper())
+if _CPU:  # --pin: server and client on their own cores (threads they start inherit it)
+    os.sched_setaffinity(0, {int(_CPU)})
 def out(obj):  # libraries print to stdout too: our lines carry a marker
     sys.stdout.write("@@" + json.dumps(obj) + "\\n"); sys.stdout.flush()
 def inp():
     return json.loads(sys.stdin.readline())
-def report(size, lat):
+def report(size, lat, t0=None, cpu=None):
     a = np.array(lat)
     out({"size": size, "median_s": float(np.median(a)), "p99_s": float(np.percentile(a, 99)),
-         "n": len(lat)})
+         "n": len(lat), "t0": t0, "cpu_s": cpu})
+def arrived(t1, cpu=None):  # the receiver's completion times (same clock as the sender's)
+    out({"t1": t1, "cpu_s": cpu})
 def finish(code=0):
     sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
 """
@@ -86,8 +119,11 @@ from pddnet.kv import ByteRanges
 from pddnet.transport import Grant
 from pddnet.transport.local import UcxReceiver, UcxSender
 role = sys.argv[1]
+OPTS = {"secret": os.environ["PDDNET_BENCH_SECRET"].encode(),  # authenticated, as deployed
+        "busy_poll_us": float(os.environ.get("PDDNET_BENCH_POLL_US", "0")),
+        "busy_poll_max_bytes": int(os.environ.get("PDDNET_BENCH_POLL_MAX", str(64 << 10)))}
 async def server():
-    async with UcxReceiver() as rx:
+    async with UcxReceiver(**OPTS) as rx:
         out({"address": rx.address})
         for size in SIZES:
             buf = np.zeros(size, np.uint8)
@@ -95,23 +131,31 @@ async def server():
             n = ITERS[str(size)] + 3
             gs = [rx.grant([buf], r) for _ in range(n)]
             out([[g.transfer_id, g.total, g.address] for g in gs])
+            t1 = []
             for g in gs:
                 await rx.wait_transfer(g.transfer_id)
+                t1.append(time.perf_counter())
+                if len(t1) == 3:
+                    c0 = time.process_time()
+            arrived(t1[3:], (time.process_time() - c0) / (n - 3))
         inp()
 async def client():
     hello = inp()
-    async with UcxSender(hello["address"]) as tx:
+    async with UcxSender(hello["address"], **OPTS) as tx:
         for size in SIZES:
             buf = np.ones(size, np.uint8)
             r = ByteRanges.build([0], [0], [size], [0])
             gs = [Grant(t, n, (), a) for t, n, a in inp()]
-            lat = []
+            lat, t0s = [], []
             for i, g in enumerate(gs):
+                if i == 3:
+                    c0 = time.process_time()
                 t0 = time.perf_counter()
                 await tx.send(g, [buf], r)
                 if i >= 3:
                     lat.append(time.perf_counter() - t0)
-            report(size, lat)
+                    t0s.append(t0)
+            report(size, lat, t0s, (time.process_time() - c0) / len(lat))
 try:
     trio.run(server if role == "server" else client)
 except BaseException:
@@ -149,9 +193,12 @@ if role == "server":
     ack = np.zeros(8, np.uint8)
     for size in SIZES:
         buf = np.zeros(size, np.uint8)
+        t1 = []
         for i in range(ITERS[str(size)] + 3):
             wait(w.tag_recv(Array(buf), tag(1)))
+            t1.append(time.perf_counter())
             wait(ep.tag_send(Array(ack), tag(2)))
+        arrived(t1[3:])
     inp()
 else:
     hello = inp()
@@ -165,7 +212,7 @@ else:
     ack = np.zeros(8, np.uint8)
     for size in SIZES:
         buf = np.ones(size, np.uint8)
-        lat = []
+        lat, t0s = [], []
         for i in range(ITERS[str(size)] + 3):
             t0 = time.perf_counter()
             r = w.tag_recv(Array(ack), tag(2))
@@ -173,7 +220,8 @@ else:
             wait(r)
             if i >= 3:
                 lat.append(time.perf_counter() - t0)
-        report(size, lat)
+                t0s.append(t0)
+        report(size, lat, t0s)
 finish()
 """
 
@@ -194,9 +242,12 @@ if role == "server":
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for size in SIZES:
         buf = memoryview(bytearray(size))
+        t1 = []
         for i in range(ITERS[str(size)] + 3):
             recv_exact(s, buf)
+            t1.append(time.perf_counter())
             s.sendall(b"\\0" * 8)
+        arrived(t1[3:])
     inp()
 else:
     hello = inp()
@@ -205,14 +256,15 @@ else:
     ack = memoryview(bytearray(8))
     for size in SIZES:
         buf = np.ones(size, np.uint8)
-        lat = []
+        lat, t0s = [], []
         for i in range(ITERS[str(size)] + 3):
             t0 = time.perf_counter()
             s.sendall(buf)
             recv_exact(s, ack)
             if i >= 3:
                 lat.append(time.perf_counter() - t0)
-        report(size, lat)
+                t0s.append(t0)
+        report(size, lat, t0s)
 finish()
 """
 
@@ -220,14 +272,26 @@ _NIXL = """
 role = sys.argv[1]
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 name = "rx" if role == "server" else "tx"
+# NOTIF: WRITE with a notification; the target busy-polls for it and records
+# when it sees it (the receiver-knows time), the initiator leaves a 200 us gap
+# after each completion so notifications never queue up.
+NOTIF = os.environ.get("PDDNET_NIXL_NOTIF") == "1"
 # The initiator polls with its progress thread off (NIXL's threads thrash 2 cores).
-cfg = nixl_agent_config(enable_prog_thread=(role == "server"), backends=["UCX"])
+cfg = nixl_agent_config(enable_prog_thread=(role == "server" and not NOTIF), backends=["UCX"])
 agent = nixl_agent(name, cfg)
 big = max(SIZES)
 buf = np.zeros(big, np.uint8) if role == "server" else np.ones(big, np.uint8)
 reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, big, 0, "")], "DRAM"))
 if role == "server":
     out({"meta": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
+    if NOTIF:
+        for size in SIZES:
+            t1, want = [], ITERS[str(size)] + 3
+            while len(t1) < want:
+                for msgs in agent.get_new_notifs().values():
+                    now = time.perf_counter()
+                    t1.extend([now] * len(msgs))
+            arrived(t1[3:])
     inp()
 else:
     hello = inp()
@@ -235,8 +299,8 @@ else:
     for size in SIZES:
         local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
         remote = agent.get_xfer_descs([(hello["addr"], size, 0)], "DRAM")
-        h = agent.initialize_xfer("WRITE", local, remote, peer)
-        lat = []
+        h = agent.initialize_xfer("WRITE", local, remote, peer, b"n" if NOTIF else b"")
+        lat, t0s = [], []
         for i in range(ITERS[str(size)] + 3):
             t0 = time.perf_counter()
             state = agent.transfer(h)
@@ -246,8 +310,13 @@ else:
                 raise RuntimeError("NIXL transfer failed")
             if i >= 3:
                 lat.append(time.perf_counter() - t0)
+                t0s.append(t0)
+            if NOTIF:
+                gap = time.perf_counter() + 200e-6
+                while time.perf_counter() < gap:
+                    pass
         agent.release_xfer_handle(h)
-        report(size, lat)
+        report(size, lat, t0s if NOTIF else None)
 finish()
 """
 
@@ -297,8 +366,15 @@ def run_pair(
     iters: dict[str, int],
     env: dict[str, str],
     timeout: float,
+    *,
+    one_way: bool = False,
 ) -> list[dict[str, Any]]:
     """Run a server and a client child; returns the client's per-size results.
+
+    With ``one_way`` the server reports, per size, when each transfer completed
+    on its side; ``one_way_s`` is then the median of (receiver completion -
+    sender start), both read from ``time.perf_counter`` (CLOCK_MONOTONIC, one
+    clock for every process on the host).
 
     Raises:
         RuntimeError: with the children's stderr if either fails or times out.
@@ -328,7 +404,15 @@ def run_pair(
             if code is _PDDNET:  # the receiver hands out this size's grants
                 cli.stdin.write(line(srv, "server"))
                 cli.stdin.flush()
-            results.append(json.loads(line(cli, "client")))
+            res = json.loads(line(cli, "client"))
+            t0 = res.pop("t0", None)
+            if one_way:
+                rx = json.loads(line(srv, "server"))
+                t1 = rx["t1"]
+                if t0 is not None and len(t0) == len(t1):
+                    res["one_way_s"] = float(np.median(np.array(t1) - np.array(t0)))
+                res["server_cpu_s"] = rx.get("cpu_s")
+            results.append(res)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out after {timeout} s")
         srv.stdin.write("{}\n")
@@ -359,20 +443,32 @@ def _install_peers(venv: str, errors: dict[str, str]) -> None:
 def main(args: argparse.Namespace) -> int:
     sizes = K_QUICK_SIZES if args.quick else K_SIZES
     iters = {str(s): _iters(s, args.quick) for s in sizes}
-    impls: dict[str, tuple[str, str, list[str]]] = {
-        "pddnet": (_PDDNET, sys.executable, ["sm", "tcp"]),
-        "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp"]),
-        "raw_ucxx_epoll": (_RAW_UCXX, sys.executable, ["sm"]),
-        "tcp": (_TCP, sys.executable, ["tcp"]),
-    }
     errors: dict[str, str] = {}
     peer_py = str(Path(args.peer_venv) / "bin" / "python")
     if args.install_peers and not Path(peer_py).exists():
         _install_peers(args.peer_venv, errors)
-    impls["nixl"] = (_NIXL, peer_py, ["sm", "tcp"])
-    impls["mooncake"] = (_MOONCAKE, peer_py, ["tcp"])
+    secret = {"PDDNET_BENCH_SECRET": "bench-local-secret-0123456789"}
+    poll = {**secret, "PDDNET_BENCH_POLL_US": str(args.poll_us)}
+    # name: (child code, interpreter, modes, extra environment, receiver reports one-way)
+    impls: dict[str, tuple[str, str, list[str], dict[str, str], bool]] = {
+        "pddnet": (_PDDNET, sys.executable, ["sm", "tcp"], secret, True),
+        "pddnet_poll": (_PDDNET, sys.executable, ["sm", "tcp"], poll, True),
+        "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp"], {}, True),
+        "raw_ucxx_epoll": (_RAW_UCXX, sys.executable, ["sm"], {"PDDNET_RAW_BLOCKING": "1"}, True),
+        "tcp": (_TCP, sys.executable, ["tcp"], {}, True),
+        "nixl": (_NIXL, peer_py, ["sm", "tcp"], {}, False),
+        "nixl_notif": (_NIXL, peer_py, ["sm"], {"PDDNET_NIXL_NOTIF": "1"}, True),
+        "mooncake": (_MOONCAKE, peer_py, ["tcp"], {}, False),
+    }
+    # Busy-polling peers (raw ucxx, NIXL, pddnet_poll) collapse when the OS puts
+    # both processes on one core (measured: raw ucxx 4 KiB 14 µs -> 7.7 ms), so
+    # by default each process gets a core of its own.
+    pin = {}
+    if not args.no_pin and len(os.sched_getaffinity(0)) >= 2:
+        cpus = sorted(os.sched_getaffinity(0))
+        pin = {"PDDNET_BENCH_CPU_SERVER": str(cpus[0]), "PDDNET_BENCH_CPU_CLIENT": str(cpus[1])}
     rows: list[dict[str, Any]] = []
-    for name, (code, python, modes) in impls.items():
+    for name, (code, python, modes, extra, one_way) in impls.items():
         if args.only and name not in args.only:
             continue
         for mode in modes:
@@ -380,26 +476,28 @@ def main(args: argparse.Namespace) -> int:
             if not Path(python).exists():
                 errors[key] = f"no peer environment at {args.peer_venv} (use --install-peers)"
                 continue
-            env = _child_env(K_TLS[mode])
-            if name == "raw_ucxx_epoll":
-                env["PDDNET_RAW_BLOCKING"] = "1"
+            env = {**_child_env(K_TLS[mode]), **extra, **pin}
             try:
-                res = run_pair(code, python, sizes, iters, env, args.timeout)
+                res = run_pair(code, python, sizes, iters, env, args.timeout, one_way=one_way)
             except Exception as exc:
                 errors[key] = f"{type(exc).__name__}: {exc}"
                 print(f"{key}: {errors[key][:300]}", file=sys.stderr)
                 continue
             for r in res:
-                rows.append(
-                    {
-                        "impl": name,
-                        "mode": mode,
-                        "size": r["size"],
-                        "median_us": r["median_s"] * 1e6,
-                        "gb_per_s": r["size"] / r["median_s"] / 1e9,
-                        "n": r["n"],
-                    }
-                )
+                row = {
+                    "impl": name,
+                    "mode": mode,
+                    "size": r["size"],
+                    "median_us": r["median_s"] * 1e6,
+                    "gb_per_s": r["size"] / r["median_s"] / 1e9,
+                    "n": r["n"],
+                }
+                if "one_way_s" in r:
+                    row["one_way_us"] = r["one_way_s"] * 1e6
+                if r.get("cpu_s") is not None:  # CPU time per transfer (pddnet rows)
+                    row["cpu_us"] = r["cpu_s"] * 1e6
+                    row["server_cpu_us"] = (r.get("server_cpu_s") or 0.0) * 1e6
+                rows.append(row)
     print_table(rows, title="local path, two processes (median)")
 
     def pick(impl: str, mode: str, size: int, field: str) -> float | None:
@@ -424,6 +522,48 @@ def main(args: argparse.Namespace) -> int:
         ),
         "pddnet_16mib_gb_per_s": pick("pddnet", "sm", mib16, "gb_per_s"),
         "pddnet_4kib_median_us": pick("pddnet", "sm", 4096, "median_us"),
+        # 4 KiB, like with like (see docs/local.md). Sender-side time: pddnet
+        # and raw ucxx until the receiver's confirmation came back (a round
+        # trip), NIXL until its one-sided WRITE completed (no notification).
+        "pddnet_poll_4kib_median_us": pick("pddnet_poll", "sm", 4096, "median_us"),
+        "raw_ucxx_4kib_median_us": pick("raw_ucxx", "sm", 4096, "median_us"),
+        "nixl_4kib_median_us": pick("nixl", "sm", 4096, "median_us"),
+        "latency_ratio_vs_nixl_4kib_poll": ratio(
+            pick("pddnet_poll", "sm", 4096, "median_us"), pick("nixl", "sm", 4096, "median_us")
+        ),
+        "latency_ratio_vs_raw_ucxx_4kib": ratio(
+            pick("pddnet", "sm", 4096, "median_us"), pick("raw_ucxx", "sm", 4096, "median_us")
+        ),
+        "latency_ratio_vs_raw_ucxx_4kib_poll": ratio(
+            pick("pddnet_poll", "sm", 4096, "median_us"),
+            pick("raw_ucxx", "sm", 4096, "median_us"),
+        ),
+        "raw_ucxx_latency_ratio_vs_nixl_4kib": ratio(
+            pick("raw_ucxx", "sm", 4096, "median_us"), pick("nixl", "sm", 4096, "median_us")
+        ),
+        # Receiver-side time (sender start -> the receiver knows the data landed):
+        # pddnet's wait_transfer, raw ucxx's receive, NIXL WRITE + notification.
+        "one_way_4kib_us": {
+            name: pick(name, "sm", 4096, "one_way_us")
+            for name in ("pddnet", "pddnet_poll", "raw_ucxx", "raw_ucxx_epoll", "nixl_notif")
+        },
+        "cpu_us_per_4kib_transfer": {
+            name: [pick(name, "sm", 4096, "cpu_us"), pick(name, "sm", 4096, "server_cpu_us")]
+            for name in ("pddnet", "pddnet_poll")
+        },
+        "one_way_ratio_vs_nixl_notif_4kib_poll": ratio(
+            pick("pddnet_poll", "sm", 4096, "one_way_us"),
+            pick("nixl_notif", "sm", 4096, "one_way_us"),
+        ),
+        "poll_us": args.poll_us,
+        "pinned_cpus": (
+            {
+                "server": int(pin["PDDNET_BENCH_CPU_SERVER"]),
+                "client": int(pin["PDDNET_BENCH_CPU_CLIENT"]),
+            }
+            if pin
+            else None
+        ),
         "tcp_16mib_gb_per_s": pick("tcp", "tcp", mib16, "gb_per_s"),
         "targets": {
             "ratio_vs_nixl_16mib": ">= 1.0",

@@ -29,11 +29,23 @@ def _warn_once() -> None:
         )
 
 
+# UCX-only options, dropped for the TCP fallback
+_UCX_ONLY = ("tls", "spin_us", "max_inflight", "busy_poll_us", "busy_poll_max_bytes")
+
+
+def _tcp_options(kw: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in kw.items() if k not in _UCX_ONLY}
+    out.pop("auth_timeout", None)  # the TCP handshake has its own (pddnet.transport._auth)
+    return out
+
+
 def open_local_receiver(**kw: Any) -> Receiver:
     """A receiver for the local path: :class:`UcxReceiver`, or a TCP one without ucxx.
 
-    Use it as an async context manager; ``kw`` go to the chosen class (``tls``
-    and ``spin_us`` are dropped for TCP).
+    Use it as an async context manager; ``kw`` go to the chosen class (the
+    UCX-only ``tls``, ``spin_us`` and ``busy_poll_*`` are dropped for TCP).
+    Pass ``secret=`` to authenticate senders: both transports run the same
+    challenge-response (:class:`pddnet.wire.AuthHandshake`) before any data.
     """
     if local_available():
         from ._transport import UcxReceiver
@@ -42,13 +54,14 @@ def open_local_receiver(**kw: Any) -> Receiver:
     _warn_once()
     from ..wan import WanReceiver
 
-    kw.pop("tls", None)
-    kw.pop("spin_us", None)
-    return WanReceiver(**kw)
+    return WanReceiver(**_tcp_options(kw))
 
 
 def open_local_sender(address: str, **kw: Any) -> Sender:
-    """A sender to ``address``: UCX for a ``ucx:`` address, TCP otherwise."""
+    """A sender to ``address``: UCX for a ``ucx:`` address, TCP otherwise.
+
+    ``secret=`` must match the receiver's (see :func:`open_local_receiver`).
+    """
     if address.startswith("ucx:"):
         from ._transport import UcxSender
 
@@ -56,7 +69,4 @@ def open_local_sender(address: str, **kw: Any) -> Sender:
     _warn_once()
     from ..wan import WanSender
 
-    kw.pop("tls", None)
-    kw.pop("spin_us", None)
-    kw.pop("max_inflight", None)
-    return WanSender(address, **kw)
+    return WanSender(address, **_tcp_options(kw))

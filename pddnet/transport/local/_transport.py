@@ -9,20 +9,47 @@ source range when the two sides' ranges line up (always the case for a
 :class:`~pddnet.kv.TransferPlan`, whose runs are coalesced on both sides at
 once), or gathered into a staging buffer when they do not (a counted copy).
 
+**Authentication.** With a shared ``secret`` a sender must pass the data-plane
+challenge-response (:class:`pddnet.wire.AuthHandshake`, the WAN streams'
+handshake, channel ``local``) before anything else: its HELLO carries its
+CHALLENGE, the receiver answers CHALLENGE + PROOF, the sender checks that and
+sends its PROOF, the receiver checks it and answers ACCEPT. Both ends then
+derive the session's tags from the secret and both nonces (see
+:mod:`._auth`): the data tags' mask and two private inboxes. The receiver
+posts receives into granted memory only when an authenticated session's START
+names the transfer, and only under that session's tags, so a peer that fails
+or skips the handshake can never match one (UCX's tag matching does not tell
+endpoints apart: unguessable tags are what does). A failed handshake is an
+:class:`~pddnet.AuthError` on both sides (the sender's ``__aenter__`` raises;
+the receiver counts it in ``statistics().auth_failures`` and keeps the last
+ones in :attr:`UcxReceiver.auth_errors`).
+
 Tags (64 bits)::
 
-    0x8 << 60 | transfer_id << 24 | piece      data piece (transfer ids < 2**32, pieces < 2**24)
-    0xC << 60                                  receiver's control inbox
-    0xD << 60 | sender_id                      a sender's control inbox
+    0x8 << 60 | ((transfer_id << 24 | piece) ^ mask)   data (ids < 2**32, pieces < 2**24)
+    0xC << 60                                  receiver's public inbox (HELLO, AUTH)
+    0xD << 60 | sender_id                      a sender's public inbox (AUTH)
+    0xE << 60 | 60 session bits                a session's inbox on the receiver
+    0xF << 60 | 60 session bits                a session's inbox on the sender
+
+Without a secret the mask is 0 and the public inboxes carry everything.
 
 Control messages are a fixed little-endian header ``u32 length, u8 kind, u8
 code, u32 sender_id, u32 transfer_id`` and a blob (no msgpack on the hot
-path): HELLO (sender -> receiver, blob = the sender's worker address), START
-(so the receiver knows whom to tell; posted right before the transfer's first
-piece, so both arrive in one wake-up, or at ``start`` when nothing is ready
-yet), DONE (receiver: every piece landed; one per sender per round of
-completions, further transfer ids as u32s in the blob), CANCEL (either way,
-with code cancelled / timeout / rejected).
+path): HELLO (sender -> receiver, blob = [the sender's CHALLENGE frame] + its
+worker address, code 1 when the frame is there), AUTH (40-byte handshake
+frames, either way), ACCEPT (receiver: the sender is admitted), START (so the
+receiver knows whom to tell and posts the transfer's receives; posted right
+before the transfer's first piece, so both arrive in one wake-up, or at
+``start`` when nothing is ready yet), DONE (receiver: every piece landed; one
+per sender per round of completions, further transfer ids as u32s in the
+blob), CANCEL (either way, with code cancelled / timeout / rejected).
+
+**Low-latency mode** (opt-in, ``busy_poll_us > 0``): waiting on a transfer of
+at most ``busy_poll_max_bytes`` first busy-polls the UCX worker from the
+waiting task for up to ``busy_poll_us`` (:meth:`UcxWorker.poll`), so neither
+side pays an epoll sleep and a trio task switch; then it sleeps as usual. It
+burns a core for up to the budget per wait.
 
 A receiver's address is ``ucx:NETNS:B64``: its network namespace (inode) and
 its worker address. A sender in another namespace leaves out UCX's
@@ -44,7 +71,8 @@ import logging
 import os
 import secrets
 import struct
-from abc import ABC, abstractmethod
+import time
+from abc import ABC
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -55,6 +83,7 @@ import numpy as np
 import trio
 
 from ..._errors import (
+    AuthError,
     LocalProtocolError,
     PddnetError,
     PeerUnavailable,
@@ -63,8 +92,26 @@ from ..._errors import (
     TransferTimeout,
 )
 from ...kv import ByteRanges
+from ...wire._auth import (
+    K_AUTH_FRAME_SIZE,
+    K_AUTH_MIN_SECRET,
+    AuthFrame,
+    AuthHandshake,
+    AuthKind,
+    AuthRole,
+)
+from .._auth import K_AUTH_TIMEOUT_S
 from .._base import Grant, ProgressCallback, Receiver, Sender, Transfer, TransferState, views_of
 from .._intervals import IntervalSet
+from ._auth import (
+    K_TAG_CTRL_RX,
+    K_TAG_CTRL_TX,
+    SessionTags,
+    challenge_nonce,
+    legacy_tags,
+    session_tags,
+    ucx_auth_context,
+)
 from ._worker import K_DEFAULT_TLS, UcxWorker
 
 __all__ = [
@@ -77,9 +124,6 @@ __all__ = [
 
 log = logging.getLogger("pddnet.transport.local")
 
-K_TAG_DATA = 0x8 << 60
-K_TAG_CTRL_RX = 0xC << 60
-K_TAG_CTRL_TX = 0xD << 60
 K_CTRL_MAX = 1 << 16
 K_MAX_PIECES = 1 << 24
 K_ADDR_PREFIX = "ucx:"
@@ -88,6 +132,16 @@ K_KEEP_FINISHED = 4096  # finished transfers remembered for late waiters
 K_LENS_CACHE = 1024  # decoded grant piece lists kept by a sender
 K_DONE_BATCH = (K_CTRL_MAX - 64) // 4  # transfer ids per DONE message
 K_INLINE_BURST = 256  # sends completed while posted before the pump yields to trio
+K_MAX_PENDING_AUTH = 64  # handshakes in progress on a receiver (more are dropped)
+K_MAX_SESSIONS = 1024  # admitted senders a receiver keeps (the oldest idle one goes)
+K_KEEP_AUTH_ERRORS = 16
+K_POLL_MAX_BYTES = 64 << 10  # low-latency mode: only transfers up to this size busy-poll
+K_POLL_YIELD_S = 1e-3  # low-latency mode: a full trio checkpoint at least this often
+# A transfer of at most this many bytes, all ready at start, travels inside its
+# START message (DATA) when the grant allows it (host memory): one message each
+# way instead of START + pieces + posted receives. Below UCX's rendezvous
+# threshold (8 KiB), so it is one eager message.
+K_INLINE_MAX = 8192 - 64
 
 
 class _Ctl(enum.IntEnum):
@@ -95,16 +149,15 @@ class _Ctl(enum.IntEnum):
     START = 2
     DONE = 3
     CANCEL = 4
+    AUTH = 5
+    ACCEPT = 6
+    DATA = 7  # START with a small transfer's bytes inline
 
 
 class _Code(enum.IntEnum):
     CANCELLED = 1
     TIMEOUT = 2
     REJECTED = 3
-
-
-def _data_tag(tid: int, piece: int) -> int:
-    return K_TAG_DATA | (tid & 0xFFFFFFFF) << 24 | piece
 
 
 _HDR = struct.Struct("<IBBII")  # length (of the rest), kind, code, sender, transfer id
@@ -201,16 +254,65 @@ def _error_for(code: int, tid: int, peer: str) -> PddnetError:
     return TransferCancelled("the peer cancelled the transfer", transfer_id=tid, peer=peer)
 
 
+class _Inbox:
+    """A control-message tag this end listens on: one reused buffer, one posted receive."""
+
+    __slots__ = ("buf", "closed", "handle", "handler", "tag")
+
+    def __init__(self, tag: int, handler: Any) -> None:
+        self.tag = tag
+        self.handler = handler
+        self.buf = np.empty(K_CTRL_MAX, np.uint8)
+        self.handle = 0
+        self.closed = False
+
+
+def _check_secret(secret: bytes | None) -> bytes | None:
+    if secret is not None and len(secret) < K_AUTH_MIN_SECRET:
+        raise AuthError(f"the data-plane secret must be at least {K_AUTH_MIN_SECRET} bytes")
+    return secret
+
+
 class _Service(ABC):
     """A worker plus the nursery that progresses it and runs timers."""
 
     _worker: UcxWorker
     _nursery: trio.Nursery
 
-    def __init__(self, tls: str | None, spin_us: float) -> None:
+    def __init__(
+        self,
+        tls: str | None,
+        spin_us: float,
+        secret: bytes | None,
+        auth_timeout: float,
+        busy_poll_us: float,
+        busy_poll_max_bytes: int,
+    ) -> None:
         self._tls = tls
         self._spin_us = spin_us
+        self.secret = _check_secret(secret)
+        self.auth_timeout = auth_timeout
+        self._poll_s = max(0.0, busy_poll_us) * 1e-6
+        self._poll_max = busy_poll_max_bytes
+        self._last_yield = 0.0
+        self.ctrl_dropped = 0
         self._stack: AsyncExitStack | None = None
+
+    def _should_poll(self, total: int) -> bool:
+        return self._poll_s > 0 and total <= self._poll_max
+
+    async def _poll_wait(self, event: trio.Event) -> None:
+        """Wait for ``event``, busy-polling first (low-latency mode, small transfers)."""
+        if not event.is_set() and self._worker.poll(event.is_set, self._poll_s):
+            # Done within the budget: a full trio checkpoint would hand the loop
+            # to the progress task (its epoll fd is readable now) before we
+            # return. Check for cancellation only, yielding at least every ms.
+            now = time.perf_counter()
+            if now - self._last_yield < K_POLL_YIELD_S:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return
+            self._last_yield = now
+        await event.wait()
 
     async def _open(self) -> None:
         self._worker = UcxWorker(tls=self._tls, spin_us=self._spin_us)
@@ -230,26 +332,46 @@ class _Service(ABC):
         await stack.aclose()
         self._worker.close()
 
-    def _recv_ctrl(self, tag: int, buf: Any = None) -> None:
+    def _listen(self, tag: int, handler: Any) -> _Inbox:
+        """Receive control messages on ``tag``: ``handler(kind, sender, tid, code, blob)``."""
+        box = _Inbox(tag, handler)
+        self._post_inbox(box)
+        return box
+
+    def _post_inbox(self, box: _Inbox) -> None:
         # One buffer per inbox, reused: a message is parsed (copied out) before
         # the next receive is posted into it.
-        if buf is None:
-            buf = np.empty(K_CTRL_MAX, np.uint8)
-
         def done(req: Any, err: BaseException | None) -> None:
-            if self._worker.closed or err is not None:
+            if self._worker.closed or box.closed:
                 return
-            try:
-                self._on_ctrl(*_unpack(buf))
-            except PddnetError as exc:
-                log.warning("dropping a UCX control message: %s", exc)
-            self._recv_ctrl(tag, buf)
+            if err is not None:  # e.g. an oversized message: drop it, keep listening
+                self._drop_ctrl(err)
+            else:
+                try:
+                    box.handler(*_unpack(box.buf))
+                except PddnetError as exc:
+                    self._drop_ctrl(exc)
+            if box.closed:
+                return
+            if self._worker.polling:  # latency first: after this round's DONE, off the path
+                self._worker.defer(repost)
+            else:  # at once: a burst of messages is handled (and answered) in one round
+                self._post_inbox(box)
 
-        self._worker.recv(buf, tag, done)
+        def repost() -> None:
+            if not (box.closed or self._worker.closed):
+                self._post_inbox(box)
 
-    @abstractmethod
-    def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
-        """Handle one control message (receiver and sender differ)."""
+        box.handle = self._worker.recv(box.buf, box.tag, done)
+
+    def _drop_ctrl(self, exc: BaseException) -> None:
+        self.ctrl_dropped += 1  # a peer can send junk: warn once, then count
+        level = logging.WARNING if self.ctrl_dropped == 1 else logging.DEBUG
+        log.log(level, "dropping a UCX control message: %s", exc)
+
+    def _unlisten(self, box: _Inbox) -> None:
+        box.closed = True
+        self._worker.forget(box.handle)
 
     def _send_ctrl(self, ep: Any, tag: int, msg: bytes) -> None:
         def done(req: Any, err: BaseException | None) -> None:
@@ -275,6 +397,7 @@ class _RxTransfer:
         "scope",
         "sender",
         "state",
+        "targets",
         "tid",
         "total",
     )
@@ -295,6 +418,32 @@ class _RxTransfer:
         self.layer_events: list[trio.Event] = []
         self.scope: trio.CancelScope | None = None
         self.queues: list[int] = []
+        self.targets: list[Any] = []  # granted memory, piece by piece: posted at START
+
+
+class _Session:
+    """An admitted sender: its endpoint and its session's tags."""
+
+    __slots__ = ("ep", "inbox", "sid", "tags")
+
+    def __init__(self, sid: int, ep: Any, tags: SessionTags) -> None:
+        self.sid = sid
+        self.ep = ep
+        self.tags = tags
+        self.inbox: _Inbox | None = None
+
+
+class _Pending:
+    """A handshake in progress on the receiver."""
+
+    __slots__ = ("ep", "hs", "n_i", "n_r", "scope")
+
+    def __init__(self, hs: AuthHandshake, ep: Any, n_i: bytes, n_r: bytes) -> None:
+        self.hs = hs
+        self.ep = ep
+        self.n_i = n_i
+        self.n_r = n_r
+        self.scope = trio.CancelScope()
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +457,9 @@ class UcxReceiverStatistics:
     transfers_failed: int
     epoll_waits: int
     done_messages: int
+    senders: int = 0  # admitted sessions
+    auth_failures: int = 0  # handshakes failed, skipped or timed out
+    unauthenticated_dropped: int = 0  # control messages from no admitted sender
 
 
 class UcxReceiver(_Service, Receiver):
@@ -319,26 +471,48 @@ class UcxReceiver(_Service, Receiver):
     Args:
         tls: UCX transports (default: ``UCX_TLS``, else ``tcp,sm,self``).
         spin_us: see :class:`~pddnet.transport.local.UcxWorker`.
+        secret: if set (at least 16 bytes), a sender must prove it before the
+            receiver posts any receive for it (see the module docstring).
+        auth_timeout: seconds a sender has to finish the handshake.
+        busy_poll_us: low-latency mode: ``wait_transfer``/``wait_layer`` on a
+            transfer of at most ``busy_poll_max_bytes`` busy-poll this long
+            before sleeping (0: off, the default).
+        busy_poll_max_bytes: the low-latency mode's size threshold.
 
     Raises:
         MissingExtraError: if ucxx is not installed (see :func:`open_local_receiver`
             for the TCP fallback).
+        AuthError: if ``secret`` is shorter than 16 bytes.
     """
 
-    def __init__(self, *, tls: str | None = None, spin_us: float = 0.0) -> None:
-        super().__init__(tls, spin_us)
+    def __init__(
+        self,
+        *,
+        tls: str | None = None,
+        spin_us: float = 0.0,
+        secret: bytes | None = None,
+        auth_timeout: float = K_AUTH_TIMEOUT_S,
+        busy_poll_us: float = 0.0,
+        busy_poll_max_bytes: int = K_POLL_MAX_BYTES,
+    ) -> None:
+        super().__init__(tls, spin_us, secret, auth_timeout, busy_poll_us, busy_poll_max_bytes)
         self._transfers: dict[int, _RxTransfer] = {}
         self._finished: deque[int] = deque()
-        self._peers: dict[int, Any] = {}
+        self._sessions: dict[int, _Session] = {}
+        self._session_tags: set[int] = set()
+        self._pending_auth: dict[int, _Pending] = {}
         self._tids = itertools.count(secrets.randbits(20))
         self._done_out: dict[int, list[int]] = {}
         self._done_msgs = 0
         self._bytes = self._posted = self._ok = self._failed = 0
+        self.auth_failures = 0
+        self.auth_errors: deque[AuthError] = deque(maxlen=K_KEEP_AUTH_ERRORS)
+        self._unauth = 0
 
     async def __aenter__(self) -> UcxReceiver:
         await self._open()
         self.address = f"{K_ADDR_PREFIX}{_netns_id()}:{_b64(self._worker.address)}"
-        self._recv_ctrl(K_TAG_CTRL_RX)
+        self._listen(K_TAG_CTRL_RX, self._on_public)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -392,26 +566,58 @@ class UcxReceiver(_Service, Receiver):
         self._transfers[tid] = t
         t.pieces_left = int(lengths.size)
         bufs, offs = ranges.buffer[keep].tolist(), ranges.offset[keep].tolist()
-        # One completion queue per layer: layers may arrive in any order, and
-        # the worker polls only queue heads (see UcxWorker._reap).
-        layers = ranges.layer[keep].tolist() if nl else [0] * int(lengths.size)
-        queues: dict[int, int] = {}
-        recv = self._worker.recv
-        for i, (b, o, n) in enumerate(zip(bufs, offs, lengths.tolist(), strict=True)):
-            cb = self._piece_done(t, i, n)
-            tag = _data_tag(tid, i)
-            q = queues.get(layers[i])
-            if q is None:
-                q = queues[layers[i]] = self._worker.new_queue(dormant=True)
-            t.handles.append(recv(mvs[b][o : o + n], tag, cb, spin=True, queue=q))
-        t.queues = list(queues.values())
-        self._posted += int(lengths.size)
+        # Nothing is posted yet: receives go into this memory only once an
+        # admitted sender's START names the transfer (see _post).
+        t.targets = [
+            mvs[b][o : o + n] for b, o, n in zip(bufs, offs, lengths.tolist(), strict=True)
+        ]
         if t.pieces_left == 0:
             self._finish(t, TransferState.DONE, None, None)
         elif timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
         address = f"{self.address}#{_b64(lengths.astype('<i8').tobytes())}"
+        if t.total <= K_INLINE_MAX and all(isinstance(b, memoryview) for b in t.targets):
+            address += "#i"  # host memory: the sender may send it inline (DATA)
         return Grant(tid, ranges.total, layer_ends, address)
+
+    def _post(self, t: _RxTransfer, s: _Session) -> None:
+        """Bind ``t`` to session ``s`` and post its receives under the session's tags."""
+        t.sender = s.sid
+        # One completion queue per layer: layers may arrive in any order, and
+        # the worker polls only queue heads (see UcxWorker._reap).
+        layers = t.piece_layer.tolist() if t.piece_layer is not None else None
+        queues: dict[int, int] = {}
+        recv, data_tag, lengths = self._worker.recv, s.tags.data_tag, t.lengths.tolist()
+        for i, buf in enumerate(t.targets):
+            layer = layers[i] if layers is not None else 0
+            q = queues.get(layer)
+            if q is None:
+                q = queues[layer] = self._worker.new_queue()
+            cb = self._piece_done(t, i, lengths[i])
+            t.handles.append(recv(buf, data_tag(t.tid, i), cb, spin=True, queue=q))
+        t.queues = list(queues.values())
+        t.targets = []
+        self._posted += len(t.handles)
+
+    def _place_inline(self, t: _RxTransfer, s: _Session, blob: bytes) -> None:
+        """A small transfer's bytes, inline in its DATA message: exact size or rejected."""
+        t.sender = s.sid
+        if len(blob) != t.total or not all(isinstance(b, memoryview) for b in t.targets):
+            exc = RemoteProtocolError(
+                f"inline transfer of {len(blob)} bytes for a grant of {t.total}", transfer_id=t.tid
+            )
+            self._finish(t, TransferState.FAILED, exc, _Code.REJECTED)
+            return
+        mv, off = memoryview(blob), 0
+        for buf in t.targets:
+            n = len(buf)
+            buf[:] = mv[off : off + n]
+            off += n
+        self._posted += len(t.targets)
+        t.bytes_done = t.total
+        self._bytes += t.total
+        t.pieces_left = 0
+        self._finish(t, TransferState.DONE, None, None)
 
     def _piece_done(self, t: _RxTransfer, i: int, n: int) -> Any:
         def cb(req: Any, err: BaseException | None) -> None:
@@ -454,6 +660,7 @@ class UcxReceiver(_Service, Receiver):
         for h in t.handles:
             self._worker.forget(h)  # cancels receives still posted
         t.handles = []
+        t.targets = []
         for ev in t.layer_events:
             if error is None:
                 ev.set()
@@ -471,46 +678,186 @@ class UcxReceiver(_Service, Receiver):
             self._transfers.pop(self._finished.popleft(), None)
 
     def _tell(self, t: _RxTransfer, code: int | None) -> None:
-        ep = self._peers.get(t.sender) if t.sender is not None else None
-        if ep is None or t.sender is None:
+        s = self._sessions.get(t.sender) if t.sender is not None else None
+        if s is None:
             return
         if code is None:  # DONE: batched per sender until this round of completions ends
             if not self._done_out:
                 self._worker.after_reap(self._flush_done)
-            self._done_out.setdefault(t.sender, []).append(t.tid)
+            self._done_out.setdefault(s.sid, []).append(t.tid)
             return
-        self._send_ctrl(ep, K_TAG_CTRL_TX | t.sender, _pack(_Ctl.CANCEL, t.sender, t.tid, code))
+        self._send_ctrl(s.ep, s.tags.tx_tag, _pack(_Ctl.CANCEL, s.sid, t.tid, code))
 
     def _flush_done(self) -> None:
         """One DONE per sender: the first transfer id in the header, the rest as u32s."""
         out, self._done_out = self._done_out, {}
         for sender, tids in out.items():
-            ep = self._peers.get(sender)
+            s = self._sessions.get(sender)
+            if s is None:
+                continue
             for i in range(0, len(tids), K_DONE_BATCH):
                 part = tids[i : i + K_DONE_BATCH]
                 more = struct.pack(f"<{len(part) - 1}I", *part[1:])
                 msg = _pack(_Ctl.DONE, sender, part[0], 0, more)
-                self._send_ctrl(ep, K_TAG_CTRL_TX | sender, msg)
+                self._send_ctrl(s.ep, s.tags.tx_tag, msg)
                 self._done_msgs += 1
 
-    def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+    # ------------------------------------------------------- admission (auth)
+    def _on_public(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+        """The public inbox: HELLO and handshake frames; everything else only without a secret."""
         if kind is _Ctl.HELLO:
-            try:
-                self._peers[sender] = self._worker.connect(blob)
-            except PeerUnavailable as exc:
-                log.warning("cannot reach UCX sender %08x: %s", sender, exc)
+            self._on_hello(sender, code, blob)
+        elif kind is _Ctl.AUTH:
+            self._on_auth(sender, blob)
+        elif self.secret is None and sender in self._sessions:
+            self._on_session(self._sessions[sender], kind, sender, tid, code, blob)
+        else:
+            self._unauth += 1
+            log.debug("dropping an unauthenticated UCX %s from %08x", kind.name, sender)
+
+    def _auth_failed(self, sender: int, exc: AuthError) -> None:
+        self.auth_failures += 1
+        self.auth_errors.append(exc)
+        level = logging.WARNING if self.auth_failures == 1 else logging.DEBUG
+        log.log(level, "dropping UCX sender %08x: %s", sender, exc)
+
+    def _reject(self, sender: int, ep: Any, exc: AuthError, out: bytes) -> None:
+        """Fail a sender's admission: tell it (a FAIL frame) if we can, and count it."""
+        if ep is not None and out:
+            self._send_ctrl(ep, K_TAG_CTRL_TX | sender, _pack(_Ctl.AUTH, sender, 0, 0, out))
+        self._auth_failed(sender, AuthError(str(exc), peer=f"ucx-sender-{sender:08x}"))
+
+    def _on_hello(self, sender: int, code: int, blob: bytes) -> None:
+        if sender in self._sessions or sender in self._pending_auth:
+            self._unauth += 1  # a duplicate (or a spoofed id): the first one stands
             return
+        wants_auth = code == 1
+        frame, address = b"", blob
+        if wants_auth:
+            frame, address = blob[:K_AUTH_FRAME_SIZE], blob[K_AUTH_FRAME_SIZE:]
+        if not address:
+            self._auth_failed(sender, AuthError("malformed HELLO: no worker address"))
+            return
+        if self.secret is not None and len(self._pending_auth) >= K_MAX_PENDING_AUTH:
+            self._auth_failed(sender, AuthError("too many UCX handshakes in progress"))
+            return
+        try:
+            ep = self._worker.connect(address)
+        except PeerUnavailable as exc:
+            log.warning("cannot reach UCX sender %08x: %s", sender, exc)
+            return
+        fail = AuthFrame(AuthKind.FAIL).encode()
+        if self.secret is None:
+            if wants_auth:
+                err = AuthError("the sender asked to authenticate; this receiver has no secret")
+                self._reject(sender, ep, err, fail)
+            else:
+                self._admit(sender, ep, legacy_tags(sender))
+            return
+        if not wants_auth:
+            self._reject(sender, ep, AuthError("the sender skipped authentication"), fail)
+            return
+        hs = AuthHandshake(
+            AuthRole.RESPONDER,
+            self.secret,
+            ucx_auth_context(sender),
+            now=trio.current_time(),
+            timeout=self.auth_timeout,
+        )
+        mine = hs.data_to_send()  # our CHALLENGE
+        try:
+            hs.receive_data(frame)
+            n_i = challenge_nonce(frame)
+        except AuthError as exc:
+            self._reject(sender, ep, exc, hs.data_to_send() or fail)
+            return
+        p = _Pending(hs, ep, n_i, challenge_nonce(mine))
+        self._pending_auth[sender] = p
+        self._send_ctrl(
+            ep, K_TAG_CTRL_TX | sender, _pack(_Ctl.AUTH, sender, 0, 0, mine + hs.data_to_send())
+        )
+        self._nursery.start_soon(self._auth_deadline, sender, p)
+
+    def _on_auth(self, sender: int, blob: bytes) -> None:
+        p = self._pending_auth.get(sender)
+        if p is None:  # no handshake with this sender (or it ended): ignore
+            self._unauth += 1
+            return
+        try:
+            p.hs.receive_data(blob)
+        except AuthError as exc:
+            del self._pending_auth[sender]
+            p.scope.cancel()
+            self._reject(sender, p.ep, exc, p.hs.data_to_send())
+            return
+        if not p.hs.done:
+            return
+        del self._pending_auth[sender]
+        p.scope.cancel()
+        assert self.secret is not None
+        tags = session_tags(self.secret, p.n_i, p.n_r, sender)
+        if tags.rx_tag in self._session_tags or p.hs.leftover:  # ~2**-60, or junk after PROOF
+            err = AuthError("unusable UCX session (tag collision or trailing bytes)")
+            self._reject(sender, p.ep, err, AuthFrame(AuthKind.FAIL).encode())
+            return
+        self._admit(sender, p.ep, tags)
+
+    def _admit(self, sender: int, ep: Any, tags: SessionTags) -> None:
+        if len(self._sessions) >= K_MAX_SESSIONS:
+            self._evict_session()
+        s = _Session(sender, ep, tags)
+        if tags.rx_tag != K_TAG_CTRL_RX:  # an authenticated session: its own inbox
+            s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m))
+            self._session_tags.add(tags.rx_tag)
+        self._sessions[sender] = s
+        self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0))
+
+    def _evict_session(self) -> None:
+        busy = {t.sender for t in self._transfers.values() if t.state is TransferState.RUNNING}
+        for sid, s in self._sessions.items():  # oldest first
+            if sid not in busy:
+                del self._sessions[sid]
+                self._session_tags.discard(s.tags.rx_tag)
+                if s.inbox is not None:
+                    self._unlisten(s.inbox)
+                return
+
+    async def _auth_deadline(self, sender: int, p: _Pending) -> None:
+        with p.scope:
+            deadline = p.hs.get_timer()
+            await trio.sleep_until(deadline if deadline is not None else trio.current_time())
+            if self._pending_auth.get(sender) is p:
+                del self._pending_auth[sender]
+                try:
+                    p.hs.handle_timer(trio.current_time())
+                except AuthError as exc:
+                    self._reject(sender, p.ep, exc, p.hs.data_to_send())
+
+    def _on_session(
+        self, s: _Session, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes
+    ) -> None:
+        """An admitted sender's control message (its session inbox)."""
+        if sender != s.sid:
+            raise RemoteProtocolError(f"session of {s.sid:08x} used by {sender:08x}")
         t = self._transfers.get(tid)
         if t is None:
             return
-        if kind is _Ctl.START:
-            t.sender = sender
-            for q in t.queues:
-                self._worker.activate(q)
+        if kind is _Ctl.START or kind is _Ctl.DATA:
+            if t.sender is not None:  # bound to a session already: the first START stands
+                if t.sender != s.sid:
+                    self._unauth += 1
+                return
             if t.state is not TransferState.RUNNING:
+                t.sender = s.sid
                 self._tell(t, self._code_of(t))
+            elif kind is _Ctl.START:
+                self._post(t, s)
+            else:
+                self._place_inline(t, s, blob)
         elif kind is _Ctl.CANCEL:
-            t.sender = sender
+            if t.sender is not None and t.sender != s.sid:
+                return
+            t.sender = s.sid
             err = TransferCancelled("the sender cancelled the transfer", transfer_id=tid)
             if t.state is TransferState.RUNNING:
                 t.sender = None  # it knows
@@ -536,7 +883,10 @@ class UcxReceiver(_Service, Receiver):
     async def wait_transfer(self, transfer_id: int) -> None:
         """Wait until every granted byte landed. Cancelling the wait leaves the grant."""
         t = self._get(transfer_id)
-        await t.done.wait()
+        if self._should_poll(t.total):
+            await self._poll_wait(t.done)
+        else:
+            await t.done.wait()
         if t.error is not None:
             raise t.error
 
@@ -545,7 +895,10 @@ class UcxReceiver(_Service, Receiver):
         t = self._get(transfer_id)
         if not t.layer_events:
             raise LocalProtocolError("grant was made without num_layers", transfer_id=transfer_id)
-        await t.layer_events[layer].wait()
+        if self._should_poll(t.total):
+            await self._poll_wait(t.layer_events[layer])
+        else:
+            await t.layer_events[layer].wait()
         if t.error is not None:
             raise t.error
 
@@ -566,6 +919,9 @@ class UcxReceiver(_Service, Receiver):
             self._failed,
             self._worker.epoll_waits,
             self._done_msgs,
+            len(self._sessions),
+            self.auth_failures,
+            self._unauth,
         )
 
 
@@ -643,7 +999,10 @@ class UcxTransfer(Transfer):
 
     async def wait(self) -> None:
         """Wait until the receiver confirmed every byte; cancelling the wait leaves it running."""
-        await self._done.wait()
+        if self._owner._should_poll(self.grant.total):
+            await self._owner._poll_wait(self._done)
+        else:
+            await self._done.wait()
         if self._error is not None:
             raise self._error
 
@@ -663,19 +1022,34 @@ class UcxSenderStatistics:
     transfers_running: int
     transfers_done: int
     epoll_waits: int
+    inline_transfers: int = 0  # small transfers sent inside their START (DATA)
+    poll_rounds: int = 0  # low-latency mode: busy-poll rounds
 
 
 class UcxSender(_Service, Sender):
     """The sending end of the local path, bound to one receiver.
+
+    ``async with`` connects and waits until the receiver admits this sender
+    (with a ``secret``: after the challenge-response in both directions).
 
     Args:
         address: the receiver's :attr:`UcxReceiver.address`.
         tls: UCX transports (default: ``UCX_TLS``, else ``tcp,sm,self``).
         spin_us: see :class:`~pddnet.transport.local.UcxWorker`.
         max_inflight: pieces posted to UCX at once (over all transfers).
+        secret: the shared secret (at least 16 bytes), if the receiver has one.
+        auth_timeout: seconds to wait for admission.
+        busy_poll_us: low-latency mode: :meth:`UcxTransfer.wait` on a transfer
+            of at most ``busy_poll_max_bytes`` busy-polls this long before
+            sleeping (0: off, the default).
+        busy_poll_max_bytes: the low-latency mode's size threshold.
 
     Raises:
         LocalProtocolError: for an address that is not a UCX one.
+        AuthError: if ``secret`` is shorter than 16 bytes; from ``__aenter__``,
+            if authentication fails or is not finished within ``auth_timeout``.
+        PeerUnavailable: from ``__aenter__``, if a receiver without a secret
+            does not answer within ``auth_timeout``.
     """
 
     def __init__(
@@ -685,28 +1059,117 @@ class UcxSender(_Service, Sender):
         tls: str | None = None,
         spin_us: float = 0.0,
         max_inflight: int = 16,
+        secret: bytes | None = None,
+        auth_timeout: float = K_AUTH_TIMEOUT_S,
+        busy_poll_us: float = 0.0,
+        busy_poll_max_bytes: int = K_POLL_MAX_BYTES,
     ) -> None:
         if not address.startswith(K_ADDR_PREFIX):
             raise LocalProtocolError(f"not a UCX address: {address[:40]!r}")
         self.peer = address.split("#", 1)[0]
         peer_netns, self._peer_address = _parse_address(self.peer)
-        super().__init__(_tls_for_peer(tls, peer_netns), spin_us)
+        super().__init__(
+            _tls_for_peer(tls, peer_netns),
+            spin_us,
+            secret,
+            auth_timeout,
+            busy_poll_us,
+            busy_poll_max_bytes,
+        )
         self.sender_id = secrets.randbits(32)
         self.max_inflight = max_inflight
         self._transfers: dict[int, UcxTransfer] = {}
         self._inflight = 0
-        self._bytes = self._staged = self._pieces = self._ok = 0
+        self._bytes = self._staged = self._pieces = self._ok = self._inline = 0
         self._ep: Any = None
+        self._open_ok = False  # admitted by the receiver
+        self._tags = legacy_tags(self.sender_id)
         self._lens_cache: dict[str, tuple[Any, Any, list[int]]] = {}
         self._resume_pending = False
+        self._hs: AuthHandshake | None = None
+        self._n_i = b""
+        self._admitted = trio.Event()
+        self._auth_error: AuthError | None = None
+        self._public: _Inbox | None = None
 
     async def __aenter__(self) -> UcxSender:
         await self._open()
-        self._recv_ctrl(K_TAG_CTRL_TX | self.sender_id)
-        self._ep = self._worker.connect(self._peer_address)
-        hello = _pack(_Ctl.HELLO, self.sender_id, 0, 0, self._worker.address)
-        self._send_ctrl(self._ep, K_TAG_CTRL_RX, hello)
+        try:
+            await self._join()
+        except BaseException:
+            await self._close()
+            raise
         return self
+
+    async def _join(self) -> None:
+        """HELLO (with our CHALLENGE), the handshake, and the receiver's ACCEPT."""
+        sid = self.sender_id
+        self._public = self._listen(K_TAG_CTRL_TX | sid, self._on_public)
+        self._ep = self._worker.connect(self._peer_address)
+        address = self._worker.address
+        if self.secret is not None:
+            self._hs = AuthHandshake(
+                AuthRole.INITIATOR,
+                self.secret,
+                ucx_auth_context(sid),
+                now=trio.current_time(),
+                timeout=self.auth_timeout,
+            )
+            first = self._hs.data_to_send()
+            self._n_i = challenge_nonce(first)
+            hello = _pack(_Ctl.HELLO, sid, 0, 1, first + address)
+        else:
+            hello = _pack(_Ctl.HELLO, sid, 0, 0, address)
+        self._send_ctrl(self._ep, K_TAG_CTRL_RX, hello)
+        with trio.move_on_after(self.auth_timeout):
+            await self._admitted.wait()
+        if self._auth_error is not None:
+            raise self._auth_error
+        if not self._open_ok:
+            if self.secret is not None:
+                raise AuthError(
+                    f"the UCX receiver did not complete authentication in {self.auth_timeout} s",
+                    peer=self.peer,
+                )
+            raise PeerUnavailable(
+                f"the UCX receiver did not answer in {self.auth_timeout} s", peer=self.peer
+            )
+
+    def _on_public(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+        """Our public inbox: the receiver's handshake frames (everything without a secret)."""
+        if sender != self.sender_id or (self._admitted.is_set() and self.secret is not None):
+            return
+        if kind is _Ctl.AUTH:
+            self._on_auth(blob)
+        elif self.secret is None:
+            self._on_session(kind, sender, tid, code, blob)
+
+    def _on_auth(self, blob: bytes) -> None:
+        hs = self._hs
+        if hs is None:  # we have no secret: the receiver demands one
+            exc = AuthError("the UCX receiver requires authentication; no secret given")
+            self._auth_error = AuthError(str(exc), peer=self.peer)
+            self._admitted.set()
+            return
+        try:
+            hs.receive_data(blob)  # the receiver's CHALLENGE and PROOF
+        except AuthError as exc:
+            out = hs.data_to_send()  # our FAIL, unless the receiver sent one
+            if out:
+                msg = _pack(_Ctl.AUTH, self.sender_id, 0, 0, out)
+                self._send_ctrl(self._ep, K_TAG_CTRL_RX, msg)
+            self._auth_error = AuthError(str(exc), peer=self.peer)
+            self._admitted.set()
+            return
+        if not hs.done:
+            return
+        # The receiver proved the secret: derive the session, listen on its inbox,
+        # then send our PROOF (its ACCEPT comes to the session inbox).
+        assert self.secret is not None
+        self._tags = session_tags(self.secret, self._n_i, challenge_nonce(blob), self.sender_id)
+        self._listen(self._tags.tx_tag, self._on_session)
+        msg = _pack(_Ctl.AUTH, self.sender_id, 0, 0, hs.data_to_send())
+        self._send_ctrl(self._ep, K_TAG_CTRL_RX, msg)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
@@ -738,9 +1201,10 @@ class UcxSender(_Service, Sender):
             LocalProtocolError: if the ranges do not match the grant, the grant
                 is for another receiver, or the sender is not open.
         """
-        if self._ep is None:
+        if not self._open_ok:
             raise LocalProtocolError("UcxSender used outside `async with`")
         peer, _, lens = grant.address.partition("#")
+        lens, _, flags = lens.partition("#")
         if peer != self.peer:
             raise LocalProtocolError("the grant is for another UCX receiver")
         if ranges.total != grant.total:
@@ -749,20 +1213,14 @@ class UcxSender(_Service, Sender):
                 transfer_id=grant.transfer_id,
             )
         lengths, bounds, length_list = self._piece_list(lens, grant.total)
-        keep: Any = ranges.length > 0
-        if keep.all():
-            keep = slice(None)
-        src_len = ranges.length[keep]
-        if np.array_equal(src_len, lengths):  # the usual case: one source range per piece
-            sources = [
-                [(b, o, n)]
-                for b, o, n in zip(
-                    ranges.buffer[keep].tolist(),
-                    ranges.offset[keep].tolist(),
-                    length_list,
-                    strict=True,
-                )
-            ]
+        src_len = ranges.length.tolist()  # plain lists: cheaper than NumPy for few pieces
+        bufs, offs = ranges.buffer.tolist(), ranges.offset.tolist()
+        if 0 in src_len:
+            nz = [i for i, n in enumerate(src_len) if n]
+            src_len = [src_len[i] for i in nz]
+            bufs, offs = [bufs[i] for i in nz], [offs[i] for i in nz]
+        if src_len == length_list:  # the usual case: one source range per piece
+            sources = [[(b, o, n)] for b, o, n in zip(bufs, offs, length_list, strict=True)]
         else:
             sources = [
                 ranges.pieces(int(bounds[i]), int(bounds[i + 1])) for i in range(lengths.size)
@@ -773,15 +1231,31 @@ class UcxSender(_Service, Sender):
         self._transfers[grant.transfer_id] = t
         if timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
-        if ready and sources:  # START goes with the first piece (see _pump)
+        if ready and sources and flags == "i" and grant.total <= K_INLINE_MAX:
+            self._send_inline(t)
+        elif ready and sources:  # START goes with the first piece (see _pump)
             t.mark_ready(0, grant.total)
         else:  # START now: the receiver can report its own deadline, cancel or DONE
             self._start(t)
         return t
 
+    def _send_inline(self, t: UcxTransfer) -> None:
+        """A small transfer in one DATA message: its START with the bytes after the header."""
+        t.started = t._all_queued = True
+        t._queued[:] = True
+        mvs = t._mvs
+        data = b"".join(bytes(mvs[b][o : o + n]) for src in t._sources for b, o, n in src)
+        msg = _pack(_Ctl.DATA, self.sender_id, t.transfer_id, 0, data)
+        self._send_ctrl(self._ep, self._tags.rx_tag, msg)
+        t.remaining = 0
+        self._inline += 1
+        self._pieces += len(t._sources) - 1  # _account counts one
+        self._account(t, t.grant.total)
+
     def _start(self, t: UcxTransfer) -> None:
         t.started = True
-        self._send_ctrl(self._ep, K_TAG_CTRL_RX, _pack(_Ctl.START, self.sender_id, t.transfer_id))
+        msg = _pack(_Ctl.START, self.sender_id, t.transfer_id)
+        self._send_ctrl(self._ep, self._tags.rx_tag, msg)
 
     def _piece_list(self, lens: str, total: int) -> tuple[Any, Any, list[int]]:
         """A grant's piece lengths, their logical bounds, and the lengths as a list.
@@ -836,7 +1310,7 @@ class UcxSender(_Service, Sender):
                 n = int(buf.nbytes)
                 self._staged += n
             slot: list[int] = []
-            tag = _data_tag(t.transfer_id, i)
+            tag = self._tags.data_tag(t.transfer_id, i)
             t.remaining -= n
             h = self._worker.send(self._ep, buf, tag, self._sent(t, n, slot), queue=t.queue)
             if h == 0:  # completed while posted (eager): account for it now
@@ -895,14 +1369,26 @@ class UcxSender(_Service, Sender):
             self._ok += 1
             if t._progress is not None and t._reported != t.grant.total:
                 t._progress(t.transfer_id, t.grant.total, t.grant.total)
-        if code is not None and self._ep is not None:
+        if code is not None and self._open_ok:
             msg = _pack(_Ctl.CANCEL, self.sender_id, t.transfer_id, code)
-            self._send_ctrl(self._ep, K_TAG_CTRL_RX, msg)
+            self._send_ctrl(self._ep, self._tags.rx_tag, msg)
         del self._transfers[t.transfer_id]
         t._done.set()
         self._pump()
 
-    def _on_ctrl(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+    def _on_session(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
+        """The receiver's messages on our session inbox: ACCEPT, DONE, CANCEL."""
+        if sender != self.sender_id:
+            return
+        if kind is _Ctl.ACCEPT:
+            if not self._admitted.is_set():
+                self._open_ok = True
+                self._admitted.set()
+                if self.secret is not None and self._public is not None:
+                    self._unlisten(self._public)  # nothing more comes there
+            return
+        if not self._open_ok:
+            return
         if kind is _Ctl.DONE:  # a batch: tid, then more u32 transfer ids in the blob
             if len(blob) % 4:
                 raise RemoteProtocolError("malformed DONE batch", peer=self.peer)
@@ -927,4 +1413,6 @@ class UcxSender(_Service, Sender):
             len(self._transfers),
             self._ok,
             self._worker.epoll_waits,
+            self._inline,
+            self._worker.poll_rounds,
         )
