@@ -43,8 +43,11 @@ def _check_sane(report: dict[str, Any], b: int, repeat: int) -> dict[str, Any]:
     assert set(s) >= K_KEYS
     assert s["kv_payload_bytes_100"] == 100 * b  # exact: the incremental KV, not whole blocks
     assert s["kv_wire_bytes_mean"] >= 100 * b
-    # an authenticated TokenBatch: ~45 fixed bytes plus 1-3 varint bytes per id
-    assert 100 + 40 < s["token_payload_bytes_100"] <= 45 + 3 * 100
+    # an authenticated TokenBatch: ~45 fixed bytes plus 1-3 varint bytes per id, once per
+    # control path (RLD sends every control frame on each of its paths to MD)
+    assert 100 + 40 < s["token_frame_bytes"] <= 45 + 3 * 100
+    assert s["token_payload_bytes_100"] == s["control_paths"] * s["token_frame_bytes"]
+    assert s["control_paths"] == 2 and s["control"]["copies_sent"] > 0
     assert s["repeat"] == repeat
     for key in ("kv_ship_mean_ms", "recompute_mean_ms", "md_compute_mean_ms"):
         assert 0 < s[key] < 60_000

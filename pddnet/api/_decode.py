@@ -43,7 +43,7 @@ from .._errors import (
     TransferCancelled,
 )
 from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
-from ..control import ControlNode
+from ..control import ControlNode, TcpTuning
 from ..handoff import (
     AbortReason,
     ControlLink,
@@ -82,6 +82,9 @@ __all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
 log = logging.getLogger("pddnet.api")
 
 K_MAX_PROMPT = 1 << 20
+# Control connections fail over fast: a lost single-packet message costs ~2 RTT
+# + 5 ms instead of 2 RTT + 200 ms (TCP_RTO_MIN_US / TCP_DELACK_MAX_US).
+K_CONTROL_TCP = TcpTuning.wan()
 # What a decoder keeps of each request's stream for the sink's re-send requests:
 # until the sink acknowledges it, and at most this long / this many after it ended.
 K_RETAIN_S = 30.0
@@ -168,6 +171,8 @@ class _DecodeEndpoint(ABC):
         max_requests: int = 4096,
         wan_tls: TlsConfig | None = None,
         wan_limits: WanLimits | None = None,
+        control_tcp: TcpTuning | None = K_CONTROL_TCP,
+        wan_control_paths: int = 2,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -181,7 +186,8 @@ class _DecodeEndpoint(ABC):
         self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
         self.engine_id = engine_id or name
         self.rank = rank
-        self.node = ControlNode(name, secret=secret, bind=control_bind)
+        self.node = ControlNode(name, secret=secret, bind=control_bind, tcp=control_tcp)
+        self.wan_control_paths = wan_control_paths
         self.wan_tls = wan_tls
         self.wan_limits = wan_limits
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
@@ -239,7 +245,10 @@ class _DecodeEndpoint(ABC):
             LayoutMismatch: if the peer's KV layout cannot feed ours.
         """
         self.pool.layout.check_compatible(info.layout)
-        await self.node.connect(info.name, info.control)
+        # RLD<->MD and MD<->P cross the WAN: a second connection takes the
+        # single-packet tail losses (docs/handoff-bench.md)
+        wan = (info.role == "main") != (self.role == "main")
+        await self.node.connect(info.name, info.control, paths=self.wan_control_paths if wan else 1)
         if info.role in ("relay", "main") and info.role != self.role and self.watch_interval_s:
             assert self._nursery is not None
             self._nursery.start_soon(self._watch, info.name)
@@ -569,6 +578,10 @@ class RelayEndpoint(_DecodeEndpoint):
         wan_tls: TLS for the WAN data streams (:class:`~pddnet.transport.wan.TlsConfig`;
             P passes its side as ``wan_options={"tls": ...}``).
         wan_limits: the WAN receiver's bounds (:class:`~pddnet.transport.wan.WanLimits`).
+        control_tcp: TCP options of every control connection (default: 5 ms
+            minimum RTO and delayed ACK; None: the system's).
+        wan_control_paths: control connections to a peer across the WAN; each
+            frame goes on every one, so one lost packet costs nothing.
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,

@@ -22,14 +22,14 @@ import trio
 
 from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, ResourceLimitError
 from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot
-from ..control import ControlNode
+from ..control import ControlNode, TcpTuning
 from ..kv import KVPool, block_ranges
 from ..route import Route, RouteDecision, RoutePolicy, Router, RouteReason, RouteRequest
 from ..transport import Grant, Sender, Transfer
 from ..transport.local import open_local_sender
 from ..transport.wan import WanSender
 from ..wire import encode_tokens
-from ._decode import stats_payload
+from ._decode import K_CONTROL_TCP, stats_payload
 from ._info import EndpointInfo
 from ._lease import LeaseTable
 from ._messages import (
@@ -120,6 +120,7 @@ class PrefillEndpoint:
         timeout: deadline of each transfer, seconds.
         max_requests: requests whose source blocks pddnet holds, at most;
             ``submit`` raises :class:`~pddnet.ResourceLimitError` past it.
+        control_tcp, wan_control_paths: as for :class:`RelayEndpoint`.
 
     P's node is also a token sink: open a request's stream with
     ``p.sink.open(request_id, ...)`` and submit it with ``sink=p.name``
@@ -143,6 +144,8 @@ class PrefillEndpoint:
         local_options: dict[str, Any] | None = None,
         timeout: float = 60.0,
         max_requests: int = 4096,
+        control_tcp: TcpTuning | None = K_CONTROL_TCP,
+        wan_control_paths: int = 2,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -151,7 +154,8 @@ class PrefillEndpoint:
         self.router = router or Router(RoutePolicy())
         self.timeout = timeout
         self.max_requests = max_requests
-        self.node = ControlNode(name, secret=secret, bind=control_bind)
+        self.node = ControlNode(name, secret=secret, bind=control_bind, tcp=control_tcp)
+        self.wan_control_paths = wan_control_paths
         self.leases = LeaseTable(lease_s)
         self.sink = TokenSink(self.node, route=False)
         self.mirror = CacheMirror(
@@ -231,7 +235,8 @@ class PrefillEndpoint:
         if info.role not in ("relay", "main"):
             raise LocalProtocolError(f"{info.name} is a {info.role} endpoint, not a decoder")
         self.pool.layout.check_compatible(info.layout)
-        await self.node.connect(info.name, info.control)
+        paths = self.wan_control_paths if info.role == "main" else 1  # MD is across the WAN
+        await self.node.connect(info.name, info.control, paths=paths)
         # TCP streams prove the shared secret before any chunk
         if info.role == "relay":  # UCX for a ucx: address, else TCP
             sender = open_local_sender(info.data, secret=self.node.key, **self._local_options)

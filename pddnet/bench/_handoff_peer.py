@@ -27,7 +27,9 @@ prompt KV and grants the destination slots of the N new tokens
   latency is the request's round trip.
 
 So both latencies end with the same kind of one-way control message from MD
-back to RLD, and include the same half RTT on the return leg.
+back to RLD, and include the same half RTT on the return leg. RLD connects to
+MD's control plane with ``control_paths`` TCP connections (MD answers on every
+one it has heard RLD on), and both nodes set ``control_tcp`` options on them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ K_READY_TIMEOUT = 10.0
 def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def _tcp_tuning(cfg: dict[str, Any]) -> Any:
+    """The control plane's TCP options: ``wan`` (5 ms RTO floor and delayed ACK) or None."""
+    from ..control import TcpTuning
+
+    return TcpTuning.wan() if cfg.get("control_tcp") == "wan" else None
 
 
 # -- MD ------------------------------------------------------------------------------
@@ -157,7 +166,12 @@ def md_main(cfg: dict[str, Any]) -> None:
     async def main() -> None:
         bind = cfg["bind"]
         async with (
-            ControlNode("md", secret=bytes.fromhex(cfg["secret"]), bind=f"tcp://{bind}:0") as node,
+            ControlNode(
+                "md",
+                secret=bytes.fromhex(cfg["secret"]),
+                bind=f"tcp://{bind}:0",
+                tcp=_tcp_tuning(cfg),
+            ) as node,
             WanReceiver(bind, 0, max_chunk=16 << 20) as rx,
             trio.open_nursery() as nursery,
         ):
@@ -186,7 +200,19 @@ def md_main(cfg: dict[str, Any]) -> None:
             def on_tokens(peer: str, msg: TokenBatch) -> HandoffAck:
                 tokens = [int(t) for t in decode_tokens(msg.tokens, 1 << 16)]
                 secs = md.recompute(tokens)
-                _emit({"md": {"rid": msg.request_id, "kind": "tokens", "compute_s": secs}})
+                cs = node.statistics()
+                _emit(
+                    {
+                        "md": {
+                            "rid": msg.request_id,
+                            "kind": "tokens",
+                            "compute_s": secs,
+                            # cumulative: copies MD dropped, extra copies it sent
+                            "control_duplicates": cs.duplicates,
+                            "control_copies_sent": cs.copies_sent,
+                        }
+                    }
+                )
                 rate = int(len(tokens) / secs) if secs > 0 else 0
                 return HandoffAck(msg.request_id, msg.start + len(tokens), True, rate)
 
@@ -250,7 +276,9 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     async def main() -> None:
         async with (
-            ControlNode("rld", secret=secret, bind="tcp://127.0.0.1:0") as node,
+            ControlNode(
+                "rld", secret=secret, bind="tcp://127.0.0.1:0", tcp=_tcp_tuning(cfg)
+            ) as node,
             WanSender(
                 cfg["md_wan"],
                 streams=int(cfg["streams"]),
@@ -265,7 +293,8 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     ev.set()
 
             node.route(KvReady, on_kv_ready)
-            await node.connect("md", cfg["md_control"])
+            paths = int(cfg.get("control_paths", 1))
+            await node.connect("md", cfg["md_control"], paths=paths)
             with trio.fail_after(K_READY_TIMEOUT):
                 while True:
                     try:
@@ -308,7 +337,7 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 tok_s: list[float] = []
                 kv_wire: list[int] = []
                 rids: list[int] = []
-                tok_bytes = 0
+                tok_bytes = frame_bytes = 0
                 for r in range(warmup + repeat):
                     rid += 1
                     reply = await node.request(
@@ -320,7 +349,8 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     grant = reply.to_grant()
                     tokens = [int(t) for t in rng.integers(0, vocab, n)]
                     batch = TokenBatch.build(rid, prefix_len, tokens, True)
-                    tok_bytes = token_frame_bytes(batch, secret)
+                    frame_bytes = token_frame_bytes(batch, secret)
+                    tok_bytes = frame_bytes * paths  # one copy per control path
 
                     if r % 2:  # alternate, so drift hits both methods alike
                         t_tok = await recompute(batch, prefix_len + n)
@@ -350,11 +380,22 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                             "active_streams": tx.statistics().active_streams,
                         },
                         "token_payload_bytes": tok_bytes,
+                        "token_frame_bytes": frame_bytes,
                         "chunks_per_transfer": -(
                             -n * layout.kv_bytes_per_token // int(cfg["chunk"])
                         ),
                     }
                 )
+            cs = node.statistics()
+            out["control"] = {
+                "paths": paths,
+                "tcp": cfg.get("control_tcp", "default"),
+                "tcp_tuned": cs.tcp_tuned,
+                "frames_sent": cs.sent,
+                "copies_sent": cs.copies_sent,
+                "duplicates_dropped": cs.duplicates,
+                "late_replies": cs.late_replies,
+            }
             st = tx.statistics()
             out["sender"] = {
                 "bytes_resent": st.bytes_resent,

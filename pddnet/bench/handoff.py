@@ -16,7 +16,11 @@ on a link of your choosing, in the same run, with real processes: MD in DC-B
   GPU) and acks (``HandoffAck``).
 
 Both latencies are taken on RLD's clock and end with a control message from MD
-(see :mod:`pddnet.bench._handoff_peer`). ``--sweep`` runs N from 1 to 512 on
+(see :mod:`pddnet.bench._handoff_peer`). RLD reaches MD's control plane over two
+TCP connections by default (``--control-paths``: every control frame travels
+once per path, the first copy wins, so a lost one-packet message does not wait
+for TCP's tail-loss probe) with WAN TCP options (``--control-tcp``); the token
+payload counts every copy. ``--sweep`` runs N from 1 to 512 on
 several links and finds where recompute starts to win. docs/handoff-bench.md
 has the results and the discussion.
 """
@@ -83,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wan",
         default=None,
-        help=f"link: rtt=,jitter=,loss=,rate=[,mtu=] (default {K_DEFAULT_WAN}; quick: "
+        help=f"link: rtt=,jitter=,loss=,rate=[,mtu=] (default {K_DEFAULT_WAN.replace('%', '%%')}; "
+        "quick: "
         "rtt=30ms,jitter=2ms,loss=0.5%%,rate=200mbit; with --sweep: only this link)",
     )
     parser.add_argument("--repeat", type=int, default=None, help="measured repetitions per point")
@@ -96,6 +101,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=8, help="WAN sender TCP streams")
     parser.add_argument("--chunk", type=int, default=1 << 20, help="WAN chunk size, bytes")
     parser.add_argument("--gap", type=float, default=0.05, help="idle seconds between handoffs")
+    parser.add_argument(
+        "--control-paths",
+        type=int,
+        default=2,
+        help="TCP connections RLD opens to MD's control plane; every control frame travels "
+        "once per path, the first copy wins (1: a single connection, exposed to TCP tail loss)",
+    )
+    parser.add_argument(
+        "--control-tcp",
+        choices=("default", "wan"),
+        default="wan",
+        help="TCP options of the control connections: the system's, or wan (RTO floor and "
+        "delayed-ACK ceiling of 5 ms, Linux 6.15+; see pddnet.control.TcpTuning)",
+    )
     parser.add_argument("--device", choices=("auto", "numpy", "cupy"), default="auto")
     parser.add_argument(
         "--md-nice",
@@ -231,6 +250,7 @@ def run_link(
         "max_tokens": max(tokens),
         "device": device,
         "nice": args.md_nice,
+        "control_tcp": args.control_tcp,
         "bind": "0.0.0.0" if emulate else "127.0.0.1",
     }
     with _hosts(link, emulate) as (spawn_md, spawn_rld, md_addr, backend):
@@ -250,6 +270,8 @@ def run_link(
                 "streams": args.streams,
                 "chunk": args.chunk,
                 "gap": args.gap,
+                "control_paths": args.control_paths,
+                "control_tcp": args.control_tcp,
             }
             rld = _Peer(spawn_rld(_argv("rld", rld_cfg), **pipes), "rld")
             while True:
@@ -265,6 +287,7 @@ def run_link(
             md.stop()
         md_lines = [m["md"] for m in md.drain() if "md" in m]
     result["backend"] = backend
+    result["control_paths"] = args.control_paths
     result["link"] = link.to_dict() if emulate else {"name": "loopback (unshaped)"}
     result["md"] = md_lines
     return result
@@ -365,8 +388,19 @@ def _decompose(res: dict[str, Any], pt: dict[str, Any]) -> dict[str, float]:
             "md_compute_cv": c["cv"],
             "recompute_other_mean_ms": rest["mean"] * 1e3,
             "recompute_other_cv": rest["cv"],
+            "recompute_other_max_ms": rest["max"] * 1e3,
         }
     )
+    return out
+
+
+def _control_stats(res: dict[str, Any]) -> dict[str, Any]:
+    """RLD's control-plane counters, plus the duplicate copies MD dropped."""
+    out: dict[str, Any] = dict(res.get("control", {}))
+    md = [m for m in res["md"] if "control_duplicates" in m]
+    if md:
+        out["md_duplicates_dropped"] = md[-1]["control_duplicates"]
+        out["md_copies_sent"] = md[-1]["control_copies_sent"]
     return out
 
 
@@ -378,12 +412,15 @@ def _summary(
     kv, tok = summary_stats(pt["kv_s"]), summary_stats(pt["token_s"])
     s: dict[str, Any] = {}
     if pt["tokens"] == 100:
-        s["token_payload_bytes_100"] = pt["token_payload_bytes"]
+        s["token_payload_bytes_100"] = pt["token_payload_bytes"]  # all copies
         s["kv_payload_bytes_100"] = pt["kv_payload_bytes"]
     s.update(
         {
             "tokens": pt["tokens"],
             "token_payload_bytes": pt["token_payload_bytes"],
+            "token_frame_bytes": pt.get("token_frame_bytes", pt["token_payload_bytes"]),
+            "control_paths": res.get("control_paths", 1),
+            "control": _control_stats(res),
             "kv_payload_bytes": pt["kv_payload_bytes"],
             "kv_wire_bytes_mean": float(np.mean(pt["kv_wire_bytes"])),
             "recompute_cv": tok["cv"],
@@ -406,6 +443,8 @@ def _summary(
 def main(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise LocalProtocolError("--tokens must be at least 1")
+    if not 1 <= args.control_paths <= 4:
+        raise LocalProtocolError("--control-paths must be 1..4")
     choice = _choice(args)
     device = _device(args.device)
     if args.repeat is None:

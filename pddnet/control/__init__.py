@@ -2,5 +2,13 @@
 
 from ._node import ControlNode, ControlStatistics, Handler
 from ._secret import K_SECRET_ENV, load_secret
+from ._tcp import TcpTuning
 
-__all__ = ["K_SECRET_ENV", "ControlNode", "ControlStatistics", "Handler", "load_secret"]
+__all__ = [
+    "K_SECRET_ENV",
+    "ControlNode",
+    "ControlStatistics",
+    "Handler",
+    "TcpTuning",
+    "load_secret",
+]

@@ -17,20 +17,43 @@ arrived meanwhile. Senders blocked by the high-water mark park until the
 reader sees ``POLLOUT``. Nothing polls in a loop, and no thread is used.
 
 Frames are authenticated (:func:`pddnet.wire.decode_frame`) and checked for
-replay per socket and sender (:class:`pddnet.wire.ReplayGuard`). A forged,
-tampered, malformed or replayed frame is dropped, counted in
+replay per socket, sender and path (:class:`~pddnet.control._paths.PathGuard`).
+A forged, tampered, malformed or replayed frame is dropped, counted in
 :meth:`ControlNode.statistics` and logged once per peer and reason; it is
 never delivered. Replies resolve the waiting :meth:`request`; requests and
 events go, in arrival order, through a bounded inbox to one dispatcher task
 that runs the routed handler. A full inbox stops the readers, so zmq's
 high-water marks push back on senders: nothing is dropped for lack of room.
+
+Redundant paths
+---------------
+``connect(peer, address, paths=2)`` opens a second DEALER (a *twin*, with its
+own TCP connection and the zmq identity ``name\\0\\x01``) beside the primary
+one. Every frame to that peer then goes out on every connected path, and the
+peer answers and sends on every route it has heard us on, so a frame is late
+only if *all* its copies are: a lost segment of a one-packet message no longer
+waits for TCP's tail-loss probe (2 SRTT + 200 ms with one packet in flight).
+The receiver delivers the first copy and counts the others as ``duplicates``
+(not as replays). Frames keep their order while every path carries every
+frame; one that a path missed (not connected yet, or full) may be overtaken
+by later frames on another path.
+
+TCP tuning
+----------
+``ControlNode(..., tcp=TcpTuning.wan())`` sets a lower minimum RTO and
+delayed-ACK ceiling on every connection the node makes or accepts (through a
+zmq socket monitor, which reports each connection's descriptor; see
+:mod:`pddnet.control._tcp`). Where the kernel lacks an option the node logs
+once and carries on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
+import struct
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -57,12 +80,13 @@ from ..wire import (
     Message,
     Ping,
     Pong,
-    ReplayGuard,
     SeqClock,
     decode_frame,
     encode_frame,
 )
+from ._paths import K_MAX_PATHS, PathGuard, Verdict, path_identity, split_identity
 from ._secret import load_secret
+from ._tcp import TcpTuning, tune_fd
 
 __all__ = ["ControlNode", "ControlStatistics", "Handler"]
 
@@ -83,6 +107,10 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
+_MONITOR_IDS = itertools.count()
+# a DEALER group's copies carry no zmq prefix
+_NO_PREFIX: list[list[list[bytes]]] = [[[]] * n for n in range(K_MAX_PATHS + 1)]
+_ACCEPT, _DUPLICATE = Verdict.ACCEPT, Verdict.DUPLICATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,26 +127,53 @@ class ControlStatistics:
     late_replies: int
     timeouts: int
     handler_errors: int
+    duplicates: int = 0  # copies dropped because another path delivered the frame first
+    copies_sent: int = 0  # extra copies sent on twin paths (``sent`` counts each frame once)
+    tcp_tuned: int = 0  # connections whose TCP options were set (``tcp=``)
 
 
 class _Pump:
-    """One zmq socket and the state of its reader task."""
+    """One zmq socket and the state of its reader task.
 
-    def __init__(self, sock: zmq.Socket[Any], peer: str | None) -> None:
+    The DEALERs of one peer (primary and twins) form a group: they share the
+    group list, the :class:`PathGuard` and the parking lot of blocked writers.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        peer: str | None,
+        guard: PathGuard,
+        *,
+        path: int = 0,
+        group: list[_Pump] | None = None,
+        writers: trio.lowlevel.ParkingLot | None = None,
+    ) -> None:
         self.sock = sock
         self.peer = peer  # a DEALER's fixed peer; None for the ROUTER
+        self.path = path  # a DEALER's path number (0: primary)
         self.address = ""  # a DEALER's peer address
         self.fd = typing.cast(int, sock.getsockopt(zmq.FD))
-        self.guard = ReplayGuard()
+        self.guard = guard
+        self.group = group if group is not None else []
+        self.group.append(self)
         self.wait_scope: trio.CancelScope | None = None
         self.reader_scope = trio.CancelScope()
-        self.writers = trio.lowlevel.ParkingLot()
+        self.writers = writers or trio.lowlevel.ParkingLot()
+        self.monitor: zmq.Socket[Any] | None = None  # connection events, with ``tcp=``
+        self.monitor_scope = trio.CancelScope()
 
     def close(self) -> None:
         """Stop the reader, wake parked writers, close the socket."""
         self.reader_scope.cancel()
         trio.lowlevel.notify_closing(self.fd)
         self.writers.unpark_all()
+        if self.monitor is not None:
+            self.monitor_scope.cancel()
+            trio.lowlevel.notify_closing(typing.cast(int, self.monitor.getsockopt(zmq.FD)))
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close(0)
         self.sock.close(0)
 
     def kick(self) -> None:
@@ -142,9 +197,13 @@ class ControlNode:
         bind: zmq endpoint to bind the ROUTER to (port 0 picks a free port).
         limits: message size and count limits for encoding and decoding.
         replay_window_s: how far a frame's timestamp may be from our clock.
+        tcp: TCP options for every connection this node makes or accepts
+            (e.g. :meth:`TcpTuning.wan` for peers across a WAN); None leaves
+            the system defaults.
 
     Raises:
         AuthError: if no secret is configured.
+        LocalProtocolError: if the name is empty, too long or holds a NUL byte.
     """
 
     def __init__(
@@ -155,21 +214,25 @@ class ControlNode:
         bind: str = "tcp://127.0.0.1:0",
         limits: ControlLimits | None = None,
         replay_window_s: float = 30.0,
+        tcp: TcpTuning | None = None,
     ) -> None:
-        if not name or len(name.encode()) > 255:
+        if not name or len(name.encode()) > 255 or "\0" in name:
             raise LocalProtocolError(f"bad node name {name!r}")
         self.name = name
         self._key = load_secret(secret)
         self._bind = bind
         self.limits = limits or ControlLimits()
         self._replay_window_s = replay_window_s
+        self._tcp_options = tcp.options() if tcp is not None else []
+        self._tcp_unsupported: set[str] = set()
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._clock = SeqClock()
         # type -> (handler, is_async)
         self._routes: dict[type[Message], tuple[Handler, bool]] = {Ping: (_on_ping, False)}
         self._queued = 0  # frames handed to the dispatcher and not yet handled
-        self._dealers: dict[str, _Pump] = {}
+        self._dealers: dict[str, _Pump] = {}  # peer -> primary DEALER (twins in its group)
         self._router: _Pump | None = None
+        self._twin_routes: dict[str, list[bytes]] = {}  # peer -> twin identities heard
         self._pending: dict[int, tuple[trio.Event, list[Frame]]] = {}
         self._next_corr = 1
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[_Pump, str, Frame]](
@@ -185,6 +248,7 @@ class ControlNode:
     async def __aenter__(self) -> ControlNode:
         sock = self._socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        monitor = self._monitor(sock, zmq.EVENT_ACCEPTED)
         # No ROUTER_HANDOVER: a connection claiming a name already connected is
         # ignored, so a stranger cannot take over a peer's route (zmq identities
         # are not authenticated; frames are). A restarted peer gets its name
@@ -192,13 +256,18 @@ class ControlNode:
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
+            if monitor is not None:
+                monitor.close(0)
             sock.close(0)
             raise PeerUnavailable(f"cannot bind {self._bind}: {exc}", peer=self.name) from exc
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._router = _Pump(sock, None)
+        self._router = _Pump(sock, None, PathGuard(self._replay_window_s))
+        self._router.monitor = monitor
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         self._nursery.start_soon(self._reader, self._router)
+        if monitor is not None:
+            self._nursery.start_soon(self._tune_connections, self._router)
         self._nursery.start_soon(self._dispatcher)
         return self
 
@@ -227,8 +296,11 @@ class ControlNode:
             await self.__aexit__(None, None, None)
 
     def _close_sockets(self) -> None:
-        for pump in [*self._dealers.values(), *([self._router] if self._router else [])]:
-            pump.close()
+        for primary in self._dealers.values():
+            for pump in primary.group:
+                pump.close()
+        if self._router is not None:
+            self._router.close()
         self._dealers.clear()
         self._router = None
         self._nursery = None
@@ -242,6 +314,47 @@ class ControlNode:
         sock.setsockopt(zmq.HEARTBEAT_IVL, K_HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, K_HEARTBEAT_TIMEOUT_MS)
         return sock
+
+    # ---------------------------------------------------------- TCP tuning
+    def _monitor(self, sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
+        """A PAIR socket that receives ``sock``'s connection events (None: no tuning)."""
+        if not self._tcp_options:
+            return None
+        addr = f"inproc://pddnet-monitor-{id(self):x}-{next(_MONITOR_IDS)}"
+        sock.monitor(addr, events)
+        mon = self._ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(addr)
+        return mon
+
+    async def _tune_connections(self, pump: _Pump) -> None:
+        """Set the TCP options on each connection ``pump``'s monitor reports."""
+        mon = pump.monitor
+        assert mon is not None
+        fd = typing.cast(int, mon.getsockopt(zmq.FD))
+        with pump.monitor_scope, contextlib.suppress(trio.ClosedResourceError):
+            while True:
+                while typing.cast(int, mon.getsockopt(_EVENTS)) & _POLLIN:
+                    parts = mon.recv_multipart(_NOBLOCK)
+                    if len(parts) == 2 and len(parts[0]) == 6:
+                        event, value = struct.unpack("=Hi", parts[0])
+                        self._tune(value, parts[1], event == zmq.EVENT_ACCEPTED)
+                await trio.lowlevel.wait_readable(fd)
+
+    def _tune(self, fd: int, endpoint: bytes, accepted: bool) -> None:
+        options = [o for o in self._tcp_options if o[0] not in self._tcp_unsupported]
+        if not options:
+            return
+        try:
+            done, unsupported = tune_fd(fd, endpoint, accepted, options)
+        except OSError as exc:
+            log.warning("%s: cannot tune TCP connection %s: %s", self.name, endpoint, exc)
+            return
+        for name in unsupported:
+            self._tcp_unsupported.add(name)
+            log.warning("%s: the kernel does not take %s; not setting it", self.name, name)
+        if done and not unsupported:
+            self._stats["tcp_tuned"] += 1
 
     # --------------------------------------------------------------- public
     def route(
@@ -263,34 +376,68 @@ class ControlNode:
         """
         self._routes[cls] = (handler, inspect.iscoroutinefunction(handler))
 
-    async def connect(self, peer: str, address: str) -> None:
-        """Open (or replace) our DEALER to ``peer`` at ``address``.
+    async def connect(self, peer: str, address: str, *, paths: int = 1) -> None:
+        """Open (or replace) our DEALER(s) to ``peer`` at ``address``.
 
         zmq connects in the background: an absent peer shows up as a
         :class:`TransferTimeout` on the first :meth:`request`. Connecting again
-        to the same address keeps the open connection: the peer would ignore a
-        second connection under our name until it noticed the first one close
-        (no ``ROUTER_HANDOVER``), and drop what we sent on it.
+        to the same address with the same ``paths`` keeps the open connections:
+        the peer would ignore a second connection under our name until it
+        noticed the first one close (no ``ROUTER_HANDOVER``), and drop what we
+        sent on it. A changed ``paths`` opens or closes twins beside the
+        primary connection (a twin reopened at once may go unheard until
+        the peer notices that its old connection closed).
+
+        Args:
+            peer: the name we address the peer by.
+            address: its ROUTER's zmq endpoint.
+            paths: TCP connections to open (1 to 4). With more than one, every
+                frame to ``peer`` (and every frame ``peer`` sends us, as it
+                answers on every route it heard) travels once per path and the
+                first copy to arrive wins: use it for peers across a lossy WAN,
+                where a lone lost segment otherwise costs a tail-loss probe
+                (about 2 RTT + 200 ms). It multiplies the control bytes by
+                ``paths``.
+
+        Raises:
+            LocalProtocolError: if the node is not running or ``paths`` is out
+                of range.
         """
         await trio.lowlevel.checkpoint()
         if self._nursery is None:
             raise LocalProtocolError("node is not running; use 'async with'", peer=peer)
+        if not 1 <= paths <= K_MAX_PATHS:
+            raise LocalProtocolError(f"paths must be 1..{K_MAX_PATHS}, not {paths}", peer=peer)
+        idents = [path_identity(self.name, k) for k in range(paths)]
         current = self._dealers.get(peer)
         if current is not None and current.address == address:
-            return
-        old = self._dealers.pop(peer, None)
-        if old is not None:
-            old.close()
-        sock = self._socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.name.encode())
-        # Queue nothing for a peer that is not connected: sends wait (and time
-        # out) instead of piling up frames for a peer that may never come.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(address)
-        pump = _Pump(sock, peer)
-        pump.address = address
-        self._dealers[peer] = pump
-        self._nursery.start_soon(self._reader, pump)
+            # Keep the open connections; close or open twins to match ``paths``.
+            group = current.group
+            while len(group) > paths:
+                group.pop().close()
+        else:
+            if current is not None:
+                for pump in self._dealers.pop(peer).group:
+                    pump.close()
+            group = []
+            current = None
+        guard = current.guard if current else PathGuard(self._replay_window_s)
+        writers = current.writers if current else trio.lowlevel.ParkingLot()
+        for k in range(len(group), paths):
+            sock = self._socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, idents[k])
+            # Queue nothing for a peer that is not connected: sends wait (and time
+            # out) instead of piling up frames for a peer that may never come.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            monitor = self._monitor(sock, zmq.EVENT_CONNECTED)
+            sock.connect(address)
+            pump = _Pump(sock, peer, guard, path=k, group=group, writers=writers)
+            pump.address = address
+            pump.monitor = monitor
+            self._nursery.start_soon(self._reader, pump)
+            if monitor is not None:
+                self._nursery.start_soon(self._tune_connections, pump)
+        self._dealers[peer] = group[0]
 
     async def send(self, peer: str, msg: Message, *, timeout: float = K_DEFAULT_TIMEOUT) -> None:
         """Send a one-way event to ``peer``.
@@ -364,13 +511,23 @@ class ControlNode:
         return ControlStatistics(**self._stats)
 
     # ------------------------------------------------------------- sending
-    def _path(self, peer: str) -> tuple[_Pump, list[bytes]]:
-        pump = self._dealers.get(peer)
-        if pump is not None:
-            return pump, []
-        if self._router is None:
-            raise LocalProtocolError("node is not running", peer=peer)
-        return self._router, [peer.encode()]
+    def _targets(self, peer: str, via: _Pump | None) -> tuple[_Pump, list[list[bytes]]]:
+        """The socket to send to ``peer`` on, and the zmq prefix of each copy.
+
+        A DEALER group sends one copy per DEALER; the ROUTER one per route
+        (identity) ``peer`` has been heard on.
+        """
+        pump = self._dealers.get(peer) if via is None else via
+        if pump is None:
+            if self._router is None:
+                raise LocalProtocolError("node is not running", peer=peer)
+            pump = self._router
+        if pump.peer is not None:
+            return pump, _NO_PREFIX[len(pump.group)]
+        twins = self._twin_routes.get(peer)
+        if not twins:
+            return pump, [[peer.encode()]]
+        return pump, [[peer.encode()], *([i] for i in twins)]
 
     async def _send(
         self,
@@ -383,11 +540,9 @@ class ControlNode:
         checkpoint: bool = True,
     ) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
-        if via is None:
-            pump, prefix = self._path(peer)
-        else:
-            pump, prefix = via, ([peer.encode()] if via.peer is None else [])
         while True:
+            # (again after a wait: connect() may have changed the paths meanwhile)
+            pump, prefixes = self._targets(peer, via)
             # The sequence number is taken at the moment the frame is handed to
             # zmq: a frame that waited on a full or unconnected socket must not
             # carry an older number than one sent meanwhile, or the peer's
@@ -402,24 +557,60 @@ class ControlNode:
                 kind=kind,
                 limits=self.limits,
             )
-            try:
-                pump.sock.send_multipart([*prefix, frame], flags=_NOBLOCK)
+            copies, blocked, error = self._send_copies(pump, prefixes, frame, peer)
+            if copies:
                 break
-            except zmq.Again:
-                # The reader unparks us when EVENTS shows POLLOUT. zmq does not
-                # promise an FD edge for every POLLOUT change (a connection
-                # completing, say), so we also re-try every 20 ms while blocked.
-                with trio.move_on_after(K_WRITE_RECHECK_S):
-                    await pump.writers.park()
-                checkpoint = False
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:
-                    raise PeerUnavailable(f"no route to peer {peer!r}", peer=peer) from exc
-                raise PeerUnavailable(f"send to {peer!r} failed: {exc}", peer=peer) from exc
+            if error is not None and not blocked:
+                if error.errno == zmq.EHOSTUNREACH:
+                    raise PeerUnavailable(f"no route to peer {peer!r}", peer=peer) from error
+                raise PeerUnavailable(f"send to {peer!r} failed: {error}", peer=peer) from error
+            # Every path is full or not connected. The reader unparks us when
+            # EVENTS shows POLLOUT. zmq does not promise an FD edge for every
+            # POLLOUT change (a connection completing, say), so we also re-try
+            # every 20 ms while blocked.
+            with trio.move_on_after(K_WRITE_RECHECK_S):
+                await pump.writers.park()
+            checkpoint = False
         self._stats["sent"] += 1
-        pump.kick()
+        self._stats["copies_sent"] += copies - 1
         if checkpoint:  # callers that wait right after (request, replies) skip this yield
             await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _send_copies(
+        self, pump: _Pump, prefixes: list[list[bytes]], frame: bytes, peer: str
+    ) -> tuple[int, bool, zmq.ZMQError | None]:
+        """Hand ``frame`` to zmq once per target, never blocking.
+
+        Returns (copies handed over, whether some target was full or not yet
+        connected, the first other error).
+        """
+        if len(prefixes) == 1:  # the common case: one path
+            try:
+                pump.sock.send_multipart([*prefixes[0], frame], flags=_NOBLOCK)
+            except zmq.Again:
+                return 0, True, None
+            except zmq.ZMQError as exc:
+                return 0, False, exc
+            pump.kick()
+            return 1, False, None
+        copies, blocked, error = 0, False, None
+        for k, prefix in enumerate(prefixes):
+            target = pump.group[k] if pump.peer is not None else pump
+            try:
+                target.sock.send_multipart([*prefix, frame], flags=_NOBLOCK)
+            except zmq.Again:
+                blocked = True
+                continue
+            except zmq.ZMQError as exc:
+                error = error or exc
+                if k and pump.peer is None and exc.errno == zmq.EHOSTUNREACH:
+                    # a twin route that went away; heard again, it comes back
+                    with contextlib.suppress(ValueError):
+                        self._twin_routes[peer].remove(prefix[0])
+                continue
+            copies += 1
+            target.kick()
+        return copies, blocked, error
 
     # ------------------------------------------------------------- receiving
     async def _reader(self, pump: _Pump) -> None:
@@ -449,26 +640,37 @@ class ControlNode:
             if len(parts) != 2:
                 self._reject("malformed", "?", f"{len(parts)} zmq parts")
                 return
-            try:
-                peer = parts[0].decode()
-            except UnicodeDecodeError:
+            who = split_identity(parts[0])
+            if who is None:
                 self._reject("malformed", repr(parts[0][:32]), "bad identity")
                 return
+            peer, path = who
         else:
             if len(parts) != 1:
                 self._reject("malformed", pump.peer, f"{len(parts)} zmq parts")
                 return
-            peer = pump.peer
+            peer, path = pump.peer, pump.path
         try:
             frame = decode_frame(
                 parts[-1], key=self._key, src=peer, dst=self.name, limits=self.limits
             )
-            pump.guard.check(peer, frame.seq)
         except AuthError as exc:
-            self._reject("replay" if "replay" in exc.message else "auth", peer, exc.message)
+            self._reject("auth", peer, exc.message)
             return
         except RemoteProtocolError as exc:
             self._reject("malformed", peer, exc.message)
+            return
+        verdict = pump.guard.check(peer, path, frame.seq)
+        if verdict is not _ACCEPT:
+            if verdict is not _DUPLICATE:
+                self._reject("replay", peer, f"{verdict.value} control frame (seq {frame.seq})")
+                return
+            self._stats["duplicates"] += 1
+        if path and pump.peer is None:  # an authenticated twin route: answer on it too
+            routes = self._twin_routes.setdefault(peer, [])
+            if parts[0] not in routes:
+                routes.append(parts[0])
+        if verdict is _DUPLICATE:
             return
         if frame.kind is FrameKind.REPLY:
             waiter = self._pending.get(frame.corr)
