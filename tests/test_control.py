@@ -13,7 +13,7 @@ import zmq
 
 from pddnet import AuthError, PeerUnavailable, RemoteCallError, TransferTimeout
 from pddnet.control import ControlNode
-from pddnet.wire import FrameKind, Hello, Ping, Pong, encode_frame
+from pddnet.wire import FrameKind, Hello, Message, Ping, Pong, encode_frame
 
 sys.path.insert(0, str(Path(__file__).parent))
 from control_peer import Note, Report
@@ -134,6 +134,23 @@ async def test_both_directions_on_one_connection() -> None:
             while len(got) < 2:
                 await trio.sleep(0.01)
         assert sorted(got) == ["a:a->b via router", "b:b->a"]
+
+
+async def test_a_reply_that_breaks_its_schema_is_an_error_not_a_dead_node() -> None:
+    async with ControlNode("a", secret=KEY) as a, ControlNode("b", secret=KEY) as b:
+
+        def bad(peer: str, msg: Ping) -> Message:
+            return Pong(payload="not bytes")  # type: ignore[arg-type]
+
+        b.route(Ping, bad)
+        await a.connect("b", b.address)
+        with trio.fail_after(5), pytest.raises(RemoteCallError, match="bad reply") as info:
+            await a.request("b", Ping(), timeout=2)
+        assert info.value.code == "InternalError"
+        b.route(Ping, lambda peer, msg: Pong(msg.payload))
+        with trio.fail_after(5):
+            assert await a.ping("b") >= 0  # b still serves
+        assert b.statistics().handler_errors == 1
 
 
 def test_missing_secret_is_an_auth_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -736,7 +736,19 @@ class ControlNode:
 
     async def _reply(self, pump: _Pump, peer: str, frame: Frame, reply: Message) -> None:
         try:
-            await self._send(peer, reply, FrameKind.REPLY, frame.corr, via=pump, checkpoint=False)
+            try:
+                await self._send(
+                    peer, reply, FrameKind.REPLY, frame.corr, via=pump, checkpoint=False
+                )
+            except LocalProtocolError as exc:
+                # the handler's reply breaks its schema or the size limit: a bug
+                # of ours, answered as one instead of killing the node
+                self._stats["handler_errors"] += 1
+                log.error("%s: bad reply to %s: %s", self.name, type(frame.message).__name__, exc)
+                error = ErrorReply("InternalError", f"bad reply: {exc}"[:1000])
+                await self._send(
+                    peer, error, FrameKind.REPLY, frame.corr, via=pump, checkpoint=False
+                )
         except PeerUnavailable as exc:
             log.warning("%s: reply to %s lost: %s", self.name, peer, exc)
 
