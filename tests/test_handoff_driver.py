@@ -251,3 +251,27 @@ async def test_misbehaving_peer_fails_the_request_after_the_extend(
         done = await md.run()
     assert isinstance(done.error, RemoteProtocolError) and done.state is MainState.ERROR
     assert eng.extended == 50 and freed_at and freed_at[0] - t0 >= 0.5
+
+
+async def test_a_flooding_peer_is_bounded_and_the_handoff_still_completes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Peer messages queued for one request are bounded (the driver keeps at
+    most K_MAX_PEER_BACKLOG; the rest are dropped and counted), and a flood of
+    duplicates does not stop the handoff."""
+    from pddnet.handoff import TokenBatch
+    from pddnet.handoff._driver import K_MAX_PEER_BACKLOG
+
+    eng = StandInEngine(extend_rate=1000.0)
+    async with trio.open_nursery() as nursery:
+        md = MainDriver(eng, MemLink(nursery), RID, HandoffParams())
+        eng.start(RID, SEED)
+        md.kv_landed()
+        ref = greedy_reference(SEED, 20)
+        batch = TokenBatch.build(RID, 0, ref, True)
+        for _ in range(K_MAX_PEER_BACKLOG + 500):  # queued before the driver runs
+            md.deliver(batch)
+        assert md.dropped == 500
+        with trio.fail_after(30):
+            done = await md.run()
+    assert done.error is None and eng.extended == 20

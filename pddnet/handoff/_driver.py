@@ -54,6 +54,9 @@ from ._relay import RelayHandoff
 __all__ = ["DecodeEngine", "ExtendEngine", "HandoffDriver", "Link", "MainDriver", "RelayDriver"]
 
 log = logging.getLogger("pddnet.handoff")
+# Peer messages queued for one request at most; a well-behaved peer has a
+# handful in flight (a batch, an ack, a retransmission).
+K_MAX_PEER_BACKLOG = 256
 
 
 class DecodeEngine(Protocol):
@@ -102,6 +105,8 @@ class HandoffDriver:
         self.link = link
         self.request_id = request_id
         self._send_in, self._inbox = trio.open_memory_channel[Event](math.inf)
+        self._from_peer: set[int] = set()  # ids of queued events that came from the peer
+        self.dropped = 0  # peer messages dropped because too many were queued
         self._stepping = False
         self._held: TokenGenerated | None = None
         self._extending: trio.Event | None = None
@@ -119,6 +124,13 @@ class HandoffDriver:
         except PddnetError as exc:
             log.warning("request %s: dropped bad message: %s", self.request_id, exc)
             return
+        if len(self._from_peer) >= K_MAX_PEER_BACKLOG:
+            # a peer far ahead of us (or flooding): its retransmissions recover
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("request %s: peer backlog full, dropping", self.request_id)
+            return
+        self._from_peer.add(id(ev))
         self._send_in.send_nowait(ev)
 
     def peer_failed(self, user_position: int | None = None) -> None:
@@ -153,6 +165,7 @@ class HandoffDriver:
                 ev: Event = Timer()
                 with trio.move_on_at(deadline if deadline is not None else math.inf):
                     ev = await self._inbox.receive()
+                    self._from_peer.discard(id(ev))
                 await self._feed(ev)
             nursery.cancel_scope.cancel()
         return self.result
