@@ -94,7 +94,7 @@ def test_rounds_nobody_can_serve_fail_the_stream_as_peer_unavailable() -> None:
     feed(asm, [0, 1, 2, 3])
     now = 0.0
     # RLD handed over at 2 and holds 0..2; MD (serving from 3) stopped answering
-    for i in range(3):
+    for _ in range(3):
         now = asm.next_timer()
         assert asm.poll(now)
         assert asm.phase is StreamPhase.OPEN

@@ -44,7 +44,7 @@ async def test_payload_in_flight_stops_writing_when_its_transfer_ends(end: str) 
             return all((case.dst[b][o : o + n] == value).all() for b, o, n in pieces)
 
         with trio.fail_after(5):
-            while not (case.dst[pieces[0][0]][pieces[0][1]] == 7):
+            while case.dst[pieces[0][0]][pieces[0][1]] != 7:
                 await trio.sleep(0.01)  # the receiver is writing this chunk
         if end == "cancel":
             rx.cancel(tid)
