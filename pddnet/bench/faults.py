@@ -187,6 +187,8 @@ def _inject(fault: str, wan: Testbed | None, procs: dict[str, _Proc]) -> str:
         role = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}[fault]
         procs[role].kill()
         return f"kill -9 {role} (pid {procs[role].proc.pid})"
+    if fault == "burst_loss":  # set up with the link, for the whole episode
+        return "Gilbert-Elliott loss p=0.02 r=0.25 all along" if wan else "skipped: no WAN"
     return "no fault"
 
 
