@@ -266,7 +266,22 @@ async def prefill(cfg: dict[str, Any]) -> None:
                         )
                     front.released.setdefault(ev.request_id, trio.Event()).set()
 
+            rss_samples: list[dict[str, Any]] = []
+
+            async def sample_rss() -> None:
+                """Resident memory of the three roles over time (long-lived runs)."""
+                t0 = trio.current_time()
+                while True:
+                    row: dict[str, Any] = {"t": trio.current_time() - t0, "prefill": rss_kb()}
+                    for peer in ("relay", "main"):
+                        doc = await probe(p.node, peer)
+                        row[peer] = doc["rss_kb"] if doc is not None else None
+                    rss_samples.append(row)
+                    await trio.sleep(cfg["rss_every_s"])
+
             nursery.start_soon(releases)
+            if cfg.get("rss_every_s"):
+                nursery.start_soon(sample_rss)
             stop_at = trio.current_time() + cfg["duration_s"]
             async with trio.open_nursery() as workers:
                 for i in range(cfg["concurrency"]):
@@ -287,6 +302,7 @@ async def prefill(cfg: dict[str, Any]) -> None:
                 },
                 "decoders": decoders,
                 "decoders_start": start,
+                "rss_samples": rss_samples,
             }
             with open(cfg["out"], "w") as f:
                 json.dump(out, f)

@@ -56,6 +56,9 @@ from ._faults_peer import rss_kb
 __all__ = ["FAULTS", "add_arguments", "check_episode", "main", "reference", "run_episode"]
 
 FAULTS = ("none", "link_down", "burst_loss", "stream_reset", "kill_p", "kill_rld", "kill_md")
+# the faults a long-lived run repeats: the ones every process survives
+K_SURVIVABLE = ("link_down", "stream_reset")
+K_LONG_FAULT_EVERY_S = (5.0, 15.0)
 K_LINK_DOWN_S = 2.0
 K_ROUTES = ("auto", "p-md", "p-rld-md")
 _ROLES = ("prefill", "relay", "main")
@@ -78,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routes", default=",".join(K_ROUTES), help="routes to draw from (auto,p-md,p-rld-md)"
+    )
+    parser.add_argument(
+        "--long-lived",
+        action="store_true",
+        help="one set of processes for the whole --duration, with link-down and stream-reset "
+        "faults every 5-15 s, and their memory sampled every 10 s (a slow-leak check)",
     )
 
 
@@ -202,11 +211,13 @@ def run_episode(
     fault_at: tuple[float, float] = (1.0, 3.0),
     routes: tuple[str, ...] = K_ROUTES,
     request_timeout_s: float = 15.0,
+    rss_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Run one episode with ``fault``; returns the raw records and accounting.
 
     Args:
-        fault: one of :data:`FAULTS`.
+        fault: one of :data:`FAULTS`, or ``"mixed"``: a random survivable fault
+            (:data:`K_SURVIVABLE`) every 5-15 s for the whole episode.
         seed: drives the workload and the moment of the fault.
         duration_s: seconds of traffic.
         concurrency: requests in flight at once.
@@ -214,6 +225,7 @@ def run_episode(
         fault_at: the fault strikes this many seconds (uniform) after traffic starts.
         routes: the routes requests draw from (``auto``, ``p-md``, ``p-rld-md``).
         request_timeout_s: each request's deadline.
+        rss_every_s: sample the roles' resident memory this often (None: don't).
 
     Returns:
         ``{"fault", "link", "injected", "requests", "p", "decoders",
@@ -230,6 +242,7 @@ def run_episode(
     with tempfile.TemporaryDirectory() as tmp, _link(fault, loopback, seed) as wan:
         cfg = base_config(seed, duration_s, concurrency, routes, request_timeout_s)
         cfg["out"] = str(Path(tmp) / "episode.json")
+        cfg["rss_every_s"] = rss_every_s
         if wan is not None:
             hosts = {"prefill": wan.p.addr, "relay": wan.rld.addr, "main": wan.md.addr}
             ports = {"prefill": 5560, "relay": 5561, "main": 5562}
@@ -250,8 +263,18 @@ def run_episode(
                 procs[role] = _spawn(wan, role, cfg, env)
             if not procs["prefill"].wait_line("p: running", 60):
                 raise RuntimeError("P did not start:\n" + "\n".join(procs["prefill"].lines[-20:]))
-            time.sleep(rng.uniform(*fault_at))
-            injected = _inject(fault, wan, procs)
+            if fault == "mixed":
+                done: list[str] = []
+                end = time.monotonic() + duration_s - K_LONG_FAULT_EVERY_S[0]
+                while time.monotonic() + K_LONG_FAULT_EVERY_S[0] < end:
+                    time.sleep(rng.uniform(*K_LONG_FAULT_EVERY_S))
+                    done.append(_inject(rng.choice(K_SURVIVABLE), wan, procs).split(":")[0])
+                injected = f"{len(done)} faults: " + ", ".join(
+                    f"{done.count(k)} x {k}" for k in sorted(set(done))
+                )
+            else:
+                time.sleep(rng.uniform(*fault_at))
+                injected = _inject(fault, wan, procs)
             if fault == "kill_p":
                 cfg["out"] = str(Path(tmp) / "probe.json")
                 probe = _spawn(wan, "probe", cfg, env)
@@ -375,6 +398,19 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def second_half_growth(samples: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Each role's resident-memory growth (KiB) from the middle sample to the last:
+    start-up and warm-up are over by then, so steady growth is a leak."""
+    if len(samples) < 3:
+        return {}
+    mid, last = samples[len(samples) // 2], samples[-1]
+    out: dict[str, int | None] = {}
+    for role in ("prefill", "relay", "main"):
+        a, b = mid.get(role), last.get(role)
+        out[role] = None if a is None or b is None else int(b - a)
+    return out
+
+
 def _plan(args: argparse.Namespace, faults: list[str]) -> list[str]:
     """quick: each fault once; soak: every fault once, then random ones."""
     if args.quick:
@@ -393,6 +429,8 @@ def main(args: argparse.Namespace) -> int:
     episode_s = 3.0 if args.quick else args.episode
     deadline_s = args.deadline if args.deadline else (8.0 if args.quick else 15.0)
     plan = _plan(args, faults)
+    if args.long_lived:  # one episode filling the time (minus settling), faults within
+        plan, episode_s, args.parallel = ["mixed"], max(20.0, total - 45.0), 1
     if not args.loopback:
         reason = unavailable_reason()  # probe once, before the threads race on it
         if reason is None:
@@ -445,6 +483,7 @@ def main(args: argparse.Namespace) -> int:
             fault_at=(0.5, max(0.6, episode_s / 2)),
             routes=tuple(args.routes.split(",")),
             request_timeout_s=deadline_s,
+            rss_every_s=10.0 if args.long_lived else None,
         )
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, args.parallel))]
@@ -496,6 +535,8 @@ def main(args: argparse.Namespace) -> int:
         faults_seen=sorted({f for _, f, _ in results}),
         episodes_failed_to_run=failures,
     )
+    if args.long_lived and results:
+        summary["rss_growth_second_half_kb"] = second_half_growth(results[0][2]["rss_samples"])
     print_table(rows, title="\nfault episodes")
     print_table([{"metric": k, "value": v} for k, v in summary.items()], title="summary")
     episodes = [
