@@ -135,7 +135,7 @@ def test_grant_table_deadline_and_cancel() -> None:
     (ev,) = t.handle_timer(5.0)
     assert isinstance(ev, TransferEnded) and isinstance(ev.error, TransferTimeout)
     (ev2,) = t.cancel(2)
-    assert isinstance(ev2.error, TransferCancelled)
+    assert isinstance(ev2, TransferEnded) and isinstance(ev2.error, TransferCancelled)
     assert t.cancel(2) == [] and t.get_timer() is None
 
 
@@ -436,3 +436,37 @@ def test_default_stream_count_follows_congestion_control() -> None:
 
     assert default_streams("bbr") == 8
     assert default_streams("cubic") == default_streams(None) == 16
+
+
+def test_path_chunk_size_grows_only_on_short_clean_fast_paths() -> None:
+    from pddnet.transport.wan import path_chunk_size
+
+    mib = 1 << 20
+
+    def sample(
+        rtt: float, rate: float, retrans: int = 0, min_rtt: float | None = None
+    ) -> TcpSample:
+        return TcpSample(
+            0,
+            rtt=rtt,
+            min_rtt=rtt if min_rtt is None else min_rtt,
+            delivery_rate=rate,
+            bytes_sent=10**9,
+            bytes_retrans=retrans,
+            pacing_rate=rate,
+        )
+
+    def size(samples: list[TcpSample], largest: int = 4 * mib) -> int:
+        return path_chunk_size(samples, base=mib, largest=largest)
+
+    loopback = [sample(20e-6, 10e9)] * 8
+    assert size(loopback) == 4 * mib
+    assert size(loopback, largest=16 * mib) == 16 * mib  # 10 GB/s x 2 ms = 20 MB
+    assert size(loopback, largest=mib) == mib  # a fixed chunk size never grows
+    assert size([]) == mib  # nothing known yet
+    assert size([sample(0.030, 10e9)] * 8) == mib  # a WAN RTT
+    assert size([*loopback[:7], sample(2e-3, 10e9)]) == mib  # one stream on a far path
+    assert size([sample(20e-6, 10e9, retrans=10**7)] * 8) == mib  # 1 % retransmitted
+    assert size([sample(100e-6, 15e6)] * 8) == mib  # short but slow: 30 KB per 2 ms
+    assert size([sample(100e-6, 1.2e9)] * 8) == 2 * mib  # 2.4 MB per 2 ms
+    assert size([sample(20e-6, 10e9, min_rtt=0.0)] * 8) == 4 * mib  # no min_rtt: the rtt

@@ -281,7 +281,8 @@ async def test_slow_stream_is_hedged() -> None:
     case = make_case(4, 600_000, pieces=2)
     async with WanReceiver() as rx, trio.open_nursery() as n:
         addr = await n.start(_proxy, rx.address, [("slow", 300)])
-        async with WanSender(addr, streams=2, chunk_size=64 << 10) as tx:
+        # no express stream: the proxy must slow one of the two streams that carry bulk
+        async with WanSender(addr, streams=2, chunk_size=64 << 10, express_streams=0) as tx:
             await tx.wait_connected()
             grant = rx.grant(case.dst, case.dst_ranges)
             with trio.fail_after(20):
@@ -317,3 +318,67 @@ async def test_urgent_pacing_caps_bulk_only_while_urgent_transfers_run() -> None
     off._delivered.append((0.0, 100e6))
     off._sched.add_transfer(1, 100, priority=1)
     assert off._bulk_rate() is None
+
+
+async def test_chunk_size_follows_the_path_on_loopback() -> None:
+    # loopback: microsecond RTT, no loss, GB/s per stream -> chunks above 1 MiB
+    case = make_case(6, 24 << 20, pieces=3)
+    async with WanReceiver() as rx, WanSender(rx.address, streams=2) as tx:
+        await tx.wait_connected()
+        assert tx.statistics().chunk_size > 1 << 20
+        grant = rx.grant(case.dst, case.dst_ranges)
+        with trio.fail_after(20):
+            await tx.send(grant, case.src, case.src_ranges)
+            await rx.wait_transfer(grant.transfer_id)
+        assert sum(s.chunks_sent for s in tx.statistics().streams) < 24  # not 1 MiB chunks
+    case.check_complete()
+    async with WanReceiver() as rx, WanSender(rx.address, streams=2, chunk_size=256 << 10) as tx:
+        await tx.wait_connected()
+        await trio.sleep(0.15)  # a sampling period: a fixed size stays fixed
+        assert tx.statistics().chunk_size == 256 << 10
+
+
+async def test_padding_is_dropped_and_bounded() -> None:
+    case = make_case(12, 8192, pieces=1)
+    async with WanReceiver() as rx:
+        grant = rx.grant(case.dst, case.dst_ranges)
+        sock = await _raw(rx.address)
+        pad = LinkFrame(LinkKind.PAD, 1, 0, 100_000).encode() + b"\xff" * 100_000
+        payload = bytes(range(256)) * 32
+        await sock.send(pad + _chunk(grant.transfer_id, 0, payload))  # padding, then a chunk
+        with trio.fail_after(5):
+            buf = await sock.recv(40)
+            await rx.wait_transfer(grant.transfer_id)
+        assert LinkFrame.decode(buf).kind is LinkKind.ACK  # nothing for the padding itself
+        assert rx.statistics().bytes_verified == len(payload)
+        sock.close()
+        sock = await _raw(rx.address)
+        await sock.send(LinkFrame(LinkKind.PAD, 1, 0, (4 << 20) + 1).encode())  # too much
+        frames, closed = await _replies(sock)
+        sock.close()
+        assert closed and not frames
+        assert rx.statistics().protocol_errors == 1
+    case.check_outside_untouched()
+
+
+async def test_express_stream_is_warmed_up_and_carries_no_bulk() -> None:
+    from pddnet.transport.wan._sockopts import read_tcp_info
+
+    case = make_case(13, 256 << 10, pieces=2)
+    async with WanReceiver() as rx, WanSender(rx.address, streams=2) as tx:
+        await tx.wait_connected()  # 2 bulk streams + the default express stream
+        assert tx.statistics().streams[2].up
+        sock = tx._streams[2].sock
+        with trio.fail_after(5):  # its 1 MiB warm-up padding went out (TCP_INFO)
+            while (info := read_tcp_info(sock, 2)) is None or info.bytes_sent < 1 << 20:
+                await trio.sleep(0.02)
+        grant = rx.grant(case.dst, case.dst_ranges)
+        with trio.fail_after(10):
+            await tx.send(grant, case.src, case.src_ranges)  # bulk: never on the express lane
+        assert tx.statistics().streams[2].chunks_sent == 0
+        urgent = make_case(14, 256 << 10, pieces=2)
+        grant = rx.grant(urgent.dst, urgent.dst_ranges)
+        with trio.fail_after(10):
+            await tx.send(grant, urgent.src, urgent.src_ranges, priority=1)
+    case.check_complete()
+    urgent.check_complete()

@@ -221,7 +221,7 @@ def pdd_send(
     streams: int,
     congestion: str,
     *,
-    chunk_size: int = 1 << 20,
+    chunk_size: int | None = None,
     policy: str = "priority",
     small: int = 0,
     small_interval: float = 0.1,
@@ -298,6 +298,7 @@ def pdd_send(
                         "hedged": st.chunks_hedged,
                         "small_s": done,
                         "congestion": st.streams[0].congestion,
+                        "chunk_size": st.chunk_size,
                         "pacing": {
                             "rate_per_stream": st.rate_per_stream,
                             "active_streams": st.active_streams,

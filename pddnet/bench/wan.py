@@ -51,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="N for pddnet and iperf3 -P (default: pddnet's for --cc: 8 bbr, 16 cubic)",
     )
     parser.add_argument("--cc", default="bbr", help="congestion control for every sender")
-    parser.add_argument("--chunk", type=int, default=1 << 20, help="pddnet chunk size, bytes")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="pddnet chunk size, bytes (default: the sender's per-path choice)",
+    )
     parser.add_argument("--seconds", type=float, default=4.0, help="target seconds per run")
     parser.add_argument("--loopback-mb", type=int, default=1024, help="loopback bytes per run")
     parser.add_argument("--repeat", type=int, default=3, help="loopback repetitions")
@@ -94,10 +99,22 @@ def _popts(args: argparse.Namespace) -> dict[str, float]:
     return {k: float(v) for k, v in (o.split("=", 1) for o in args.pacer_opt)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports, each free together with the next one (a pdd receiver also takes
+    PORT + 1 for its grant service), all pairs distinct."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if any(abs(port - p) <= 1 for p in ports):
+                continue
+            try:
+                t.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+            ports.append(port)
+    return ports
 
 
 @contextlib.contextmanager
@@ -126,6 +143,7 @@ def _gbps(nbytes: float, seconds: float) -> float:
 def _row(name: str, link: str, nbytes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     secs = float(np.median([r["seconds"] for r in runs]))
     cpu = float(np.median([r["cpu_tx"] + r.get("cpu_rx", 0.0) for r in runs]))
+    extra = {"chunk_size": runs[0]["chunk_size"]} if "chunk_size" in runs[0] else {}
     return {
         "link": link,
         "sender": name,
@@ -133,6 +151,7 @@ def _row(name: str, link: str, nbytes: int, runs: list[dict[str, Any]]) -> dict[
         "cpu_s_per_gb": cpu / (nbytes / 1e9),
         "retrans_mb": float(np.median([r["retrans"] for r in runs])) / 1e6,
         "runs": len(runs),
+        **extra,
     }
 
 
@@ -151,7 +170,7 @@ def _tls_server(
 def loopback(args: argparse.Namespace, bar: Progress) -> list[dict[str, Any]]:
     n = args.streams
     nbytes = (256 if args.quick else args.loopback_mb) << 20
-    raw_port, pdd_port, tls_port = _free_port(), _free_port(), _free_port()
+    raw_port, pdd_port, tls_port = _free_ports(3)
     raw_runs, pdd_runs, tls_runs = [], [], []
     with (
         _server(subprocess.Popen, _peer_argv("raw-rx", raw_port, str(nbytes))),
@@ -444,9 +463,11 @@ def main(args: argparse.Namespace) -> int:
             rows += r
             if p:
                 prios.append(p)
-                if is_quick_link or prio is None:
+                # the summary's RTT units need an RTT: a 0 ms link's only if nothing else
+                if is_quick_link or prio is None or (prio["rtt_s"] == 0 and p["rtt_s"] > 0):
                     prio = p
-    shown = [{k: v for k, v in r.items() if k != "pacing"} for r in rows]  # pacing: in the JSON
+    # pacing and chunk_size: in the JSON only
+    shown = [{k: v for k, v in r.items() if k not in ("pacing", "chunk_size")} for r in rows]
     print_table(shown, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
     summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
     lb = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == "loopback"}
@@ -463,9 +484,10 @@ def main(args: argparse.Namespace) -> int:
     summary.update(_tls_summary(rows, quick, ""))
     if prio:
         rtt = prio["rtt_s"]
-        summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt
-        if "fifo" in prio:
-            summary["small_p99_rtts_fifo"] = prio["fifo"]["p99"] / rtt
+        if rtt > 0:
+            summary["small_p99_rtts"] = prio["priority"]["p99"] / rtt
+            if "fifo" in prio:
+                summary["small_p99_rtts_fifo"] = prio["fifo"]["p99"] / rtt
         print_table(
             [
                 {
@@ -481,10 +503,11 @@ def main(args: argparse.Namespace) -> int:
     print("\nsummary:", json.dumps(summary, indent=1))
     for p in prios:
         if p is not prio:
+            rtts = f" ({p['priority']['p99'] / p['rtt_s']:.1f} RTT)" if p["rtt_s"] > 0 else ""
             print(
                 f"256 KiB during bulk on {p['link']}: p50 {p['priority']['p50'] * 1e3:.0f} ms, "
-                f"p99 {p['priority']['p99'] * 1e3:.0f} ms ({p['priority']['p99'] / p['rtt_s']:.1f}"
-                f" RTT), bulk {p['priority']['bulk_goodput_gbps']:.3f} Gbit/s"
+                f"p99 {p['priority']['p99'] * 1e3:.0f} ms{rtts}, "
+                f"bulk {p['priority']['bulk_goodput_gbps']:.3f} Gbit/s"
             )
     write_report(args.json, summary, rows=rows, priority=prio, priorities=prios)
     if getattr(args, "png", None):

@@ -23,7 +23,14 @@ from ._pacer import (
 )
 from ._receiver import ReceiverStatistics, WanReceiver
 from ._scheduler import Chunk, Scheduler
-from ._sender import SenderStatistics, StreamStatistics, WanSender, WanTransfer, default_streams
+from ._sender import (
+    SenderStatistics,
+    StreamStatistics,
+    WanSender,
+    WanTransfer,
+    default_streams,
+    path_chunk_size,
+)
 from ._tls import TlsConfig
 
 __all__ = [
@@ -53,5 +60,6 @@ __all__ = [
     "available_pacers",
     "default_streams",
     "make_pacer",
+    "path_chunk_size",
     "register_pacer",
 ]

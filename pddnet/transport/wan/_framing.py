@@ -21,8 +21,11 @@ Receiver to sender: ``ACK`` (chunk verified), ``DUP`` (a hedged copy was
 dropped while its twin was in progress, so it proves nothing), ``FAIL`` (the
 receiver failed the transfer, ``code`` says why), ``CANCELLED`` (the receiver
 cancelled or timed out the transfer). Sender to receiver: ``CANCEL`` (the
-sender cancelled the transfer) and ``HELLO`` (``transfer_id`` = session id,
-``offset`` = stream index; informational).
+sender cancelled the transfer), ``HELLO`` (``transfer_id`` = session id,
+``offset`` = stream index; informational) and ``PAD`` (``length`` bytes of
+padding follow, at most ``K_MAX_PAD``, which the receiver reads and drops: an
+express stream's warm-up, so its congestion window is open before the first
+urgent chunk needs it).
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from crc32c import crc32c
 from ..._errors import RemoteProtocolError
 from ...wire import K_CHUNK_HEADER_SIZE
 
-__all__ = ["K_LINK_MAGIC", "K_LINK_FRAME_SIZE", "LinkCode", "LinkFrame", "LinkKind"]
+__all__ = ["K_LINK_FRAME_SIZE", "K_LINK_MAGIC", "K_MAX_PAD", "LinkCode", "LinkFrame", "LinkKind"]
 
 K_LINK_MAGIC = b"PDDX"
 K_LINK_VERSION = 1
 _FRAME = struct.Struct("<4sBBBBQQQI")
 _CRC = struct.Struct("<I")
 K_LINK_FRAME_SIZE = _FRAME.size + _CRC.size
+K_MAX_PAD = 4 << 20  # most padding bytes one PAD frame may announce
 assert K_LINK_FRAME_SIZE == K_CHUNK_HEADER_SIZE  # one fixed read size per frame
 
 
@@ -53,6 +57,7 @@ class LinkKind(enum.IntEnum):
     FAIL = 4
     CANCEL = 5
     CANCELLED = 6
+    PAD = 7
 
 
 class LinkCode(enum.IntEnum):

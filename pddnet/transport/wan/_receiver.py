@@ -19,6 +19,7 @@ import logging
 import math
 import secrets
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ from ...wire._auth import K_AUTH_MAGIC, AuthFrame, AuthKind, AuthRole
 from .._auth import authenticate
 from .._base import Grant, Receiver, views_of
 from ._acceptor import Action, Event, GrantTable, LayerVerified, TransferEnded, TransferVerified
-from ._framing import K_LINK_MAGIC, LinkCode, LinkFrame, LinkKind
+from ._framing import K_LINK_MAGIC, K_MAX_PAD, LinkCode, LinkFrame, LinkKind
 from ._io import Digest, EndOfStream, Revoked, accept, close, recv_exact, send_all
 from ._limits import WanLimitExceeded, WanLimits, check
 from ._sockopts import tune_socket
@@ -91,8 +92,21 @@ class _Conn:
     async def send_frame(self, frame: LinkFrame) -> None:
         if self.closed:
             return
+        data = memoryview(frame.encode())
+        if not self.lock.locked() and not isinstance(self.sock, ssl.SSLSocket):
+            # Fast path (one per chunk): nobody is mid-frame, and a 40-byte frame
+            # nearly always fits the send buffer whole, so no lock round trip (a
+            # scheduler pass) is needed. No await between the check and the send.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                n = self.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            if n == len(data):
+                return
+            data = data[n:]  # the rest goes before any other frame: the lock is free
         async with self.lock:
-            await send_all(self.sock, [memoryview(frame.encode())])
+            await send_all(self.sock, [data])
 
 
 class WanReceiver(Receiver):
@@ -498,7 +512,13 @@ class WanReceiver(Receiver):
         while True:
             await recv_exact(sock, hv)
             if hbuf[:4] == K_LINK_MAGIC:
-                await self._on_link_frame(LinkFrame.decode(hv))
+                frame = LinkFrame.decode(hv)
+                if frame.kind is LinkKind.PAD:  # an express stream's warm-up: drop it
+                    if scratch is None:
+                        scratch = memoryview(bytearray(K_SCRATCH))
+                    await self._drain_pad(sock, frame, scratch)
+                    continue
+                await self._on_link_frame(frame)
                 continue
             try:
                 header = ChunkHeader.decode(hv, table.max_chunk)
@@ -558,6 +578,20 @@ class WanReceiver(Receiver):
             }[action]
             code = LinkCode.CANCELLED if kind is LinkKind.CANCELLED else LinkCode.NONE
             await conn.send_frame(LinkFrame(kind, tid, header.offset, header.length, code))
+
+    async def _drain_pad(self, sock: Any, frame: LinkFrame, scratch: memoryview) -> None:
+        """Read and drop the padding a PAD frame announces (bounded size and time)."""
+        if frame.length > K_MAX_PAD:
+            raise RemoteProtocolError(f"PAD of {frame.length} bytes (at most {K_MAX_PAD})")
+        left, timeout = frame.length, self.limits.body_timeout
+        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            while left:
+                k = min(left, len(scratch))
+                await recv_exact(sock, scratch[:k])
+                left -= k
+        if scope.cancelled_caught:
+            assert timeout is not None
+            raise WanLimitExceeded("body_timeout", timeout, timeout)
 
     def _slow_body(self, header: ChunkHeader, body_by: float) -> WanLimitExceeded:
         """The error for a payload not read by ``body_by`` (requested: seconds taken so far)."""

@@ -44,14 +44,21 @@ from ...wire import K_CHUNK_HEADER_SIZE, ChecksumAlgo, ChunkHeader
 from ...wire._auth import AuthRole
 from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
-from ._framing import LinkCode, LinkFrame, LinkKind
+from ._framing import K_MAX_PAD, LinkCode, LinkFrame, LinkKind
 from ._io import EndOfStream, close, connect, digest_of, recv_exact, send_all
 from ._pacer import Pacer, PacingDecision, TcpSample, make_pacer
-from ._scheduler import Chunk, Scheduler, TransferCompleted, TransferFailed, TransferProgress
+from ._scheduler import Chunk, Scheduler, TransferFailed, TransferProgress
 from ._sockopts import available_congestion, read_tcp_info, set_pacing_rate, tune_socket
 from ._tls import TlsConfig, tls_handshake
 
-__all__ = ["SenderStatistics", "StreamStatistics", "WanSender", "WanTransfer", "default_streams"]
+__all__ = [
+    "SenderStatistics",
+    "StreamStatistics",
+    "WanSender",
+    "WanTransfer",
+    "default_streams",
+    "path_chunk_size",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +69,63 @@ log = logging.getLogger(__name__)
 K_DEFAULT_STREAMS = 8
 K_DEFAULT_STREAMS_LOSS_BASED = 16
 K_DEFAULT_URGENT_PACING = 0.9
+# One express stream (priority > 0 chunks only, unpaced, warmed up at connect):
+# small urgent transfers skip the bulk streams' pacing, unsent bytes and loss
+# holes ("Express stream" in docs/wan.md).
+K_DEFAULT_EXPRESS_STREAMS = 1
+K_EXPRESS_WARMUP = 1 << 20
 K_DEFAULT_CHUNK = 1 << 20
+# Chunk size per path ("Chunking" in docs/wan.md): on a path whose RTT floor is
+# under K_FAST_PATH_RTT, with (almost) no retransmissions, chunks grow up to
+# K_FAST_CHUNK, as large as one stream moves in K_CHUNK_TIME at its pacing rate.
+# There the per-chunk work (Python on both sides, one ack) is what limits
+# goodput, and a stream still frees up within a few ms for an urgent chunk.
+K_FAST_CHUNK = 4 << 20
+K_FAST_PATH_RTT = 1e-3
+K_CHUNK_TIME = 2e-3
+K_FAST_PATH_MAX_RETRANS = 1e-3  # retransmitted / sent on the current connections
 K_DEFAULT_BUFFER = 32 << 20
 K_DEFAULT_NOTSENT_LOWAT = 256 << 10
 K_DEFAULT_ALGO = ChecksumAlgo.XXH3_64
 K_SAMPLE_PERIOD = 0.1
 K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+
+
+def path_chunk_size(samples: Sequence[TcpSample], *, base: int, largest: int) -> int:
+    """The chunk size for the path that the bulk streams' ``TCP_INFO`` samples show.
+
+    ``base`` unless the path is short and clean: every stream's RTT floor under
+    ``K_FAST_PATH_RTT`` and at most ``K_FAST_PATH_MAX_RETRANS`` of the bytes
+    retransmitted. Then the largest ``base * 2**k`` (at most ``largest``) that one
+    stream moves within ``K_CHUNK_TIME`` at its pacing rate (the median stream's),
+    so a large chunk still frees its stream within a few ms for an urgent chunk.
+
+    Args:
+        samples: the latest sample of each connected bulk stream.
+        base: the chunk size for long or lossy paths (and with no samples).
+        largest: the most it may grow to.
+
+    Returns:
+        The chunk size in bytes.
+    """
+    if largest <= base or not samples:
+        return base
+    floor = max(x.min_rtt or x.rtt for x in samples)
+    retrans = sum(x.bytes_retrans for x in samples)
+    if floor >= K_FAST_PATH_RTT or retrans > K_FAST_PATH_MAX_RETRANS * sum(
+        x.bytes_sent for x in samples
+    ):
+        return base
+    rates = sorted(x.pacing_rate for x in samples)
+    fits = min(rates[len(rates) // 2] * K_CHUNK_TIME, largest)
+    size = base
+    while size * 2 <= fits:
+        size *= 2
+    return size
+
+
+def _zeros(n: int) -> memoryview:
+    return memoryview(bytes(n))
 
 
 def _default_congestion() -> str | None:
@@ -115,6 +173,7 @@ class SenderStatistics:
     active_streams: int
     rate_per_stream: float | None
     streams: tuple[StreamStatistics, ...]
+    chunk_size: int = K_DEFAULT_CHUNK
 
     @property
     def bytes_retrans(self) -> int:
@@ -206,11 +265,19 @@ class WanSender(Sender):
         streams: TCP connections to open for bulk data (None: :func:`default_streams`
             of the congestion control, 8 for bbr, 16 for cubic).
         express_streams: extra connections reserved for ``priority > 0`` transfers
-            (with the ``priority`` policy): bulk never fills their sockets. Off by
-            default: it did not lower small-transfer latency in measurement.
+            (with the ``priority`` policy): bulk never fills their sockets, they are
+            not paced, and each is warmed up at connect (``express_warmup``). One by
+            default (small urgent transfers' p50 about 0.7x, docs/wan.md); 0: none.
         express_congestion: congestion control of the express streams (default:
             as ``congestion``).
-        chunk_size: largest chunk payload.
+        express_warmup: padding bytes an express stream sends once it connects,
+            so its congestion window is open before the first urgent chunk (at
+            most ``K_MAX_PAD``; 0: none).
+        chunk_size: largest chunk payload; None (default): chosen per path, 1 MiB,
+            or up to ``max_chunk_size`` on a fast short path (RTT floor under 1 ms,
+            no loss; see docs/wan.md "Chunking").
+        max_chunk_size: the largest chunk the per-path choice may use (at most the
+            receiver's ``max_chunk``, 16 MiB by default).
         congestion: ``TCP_CONGESTION`` per socket (default bbr where available).
         algo: payload checksum algorithm.
         pacer: a registered pacer name (``adaptive``, ``fixed``) or a Pacer.
@@ -243,9 +310,11 @@ class WanSender(Sender):
         address: str,
         *,
         streams: int | None = None,
-        express_streams: int = 0,
+        express_streams: int = K_DEFAULT_EXPRESS_STREAMS,
         express_congestion: str | None = None,
-        chunk_size: int = K_DEFAULT_CHUNK,
+        express_warmup: int = K_EXPRESS_WARMUP,
+        chunk_size: int | None = None,
+        max_chunk_size: int = K_FAST_CHUNK,
         congestion: str | None = "default",
         algo: ChecksumAlgo = K_DEFAULT_ALGO,
         pacer: str | Pacer = "adaptive",
@@ -272,6 +341,9 @@ class WanSender(Sender):
         if streams < 1:
             raise LocalProtocolError("a WAN sender needs at least one stream")
         self.express_congestion = express_congestion
+        if not 0 <= express_warmup <= K_MAX_PAD:
+            raise LocalProtocolError(f"express_warmup must be in [0, {K_MAX_PAD}]")
+        self.express_warmup = express_warmup
         self.algo = algo
         self.buffer_bytes = buffer_bytes
         self.notsent_lowat = notsent_lowat
@@ -282,7 +354,11 @@ class WanSender(Sender):
         self._tls_name = (tls.server_hostname or host) if tls is not None else None
         self.auth_failures = 0
         self.max_backoff = max_backoff
-        self._sched = Scheduler(chunk_size, policy=policy, max_copies=2 if hedge else 1)
+        self._base_chunk = K_DEFAULT_CHUNK if chunk_size is None else chunk_size
+        self._max_chunk = self._base_chunk if chunk_size is not None else max_chunk_size
+        if self._base_chunk < 1 or self._max_chunk < 1:
+            raise LocalProtocolError("chunk sizes must be positive")
+        self._sched = Scheduler(self._base_chunk, policy=policy, max_copies=2 if hedge else 1)
         self._sched.active_streams = streams
         self._sched.express = frozenset(range(streams, streams + express_streams))
         self._pacer = (
@@ -412,6 +488,7 @@ class WanSender(Sender):
             active_streams=self._sched.active_streams,
             rate_per_stream=self._decision.rate_per_stream,
             streams=streams,
+            chunk_size=self._sched.chunk_size,
         )
 
     # -- plumbing ----------------------------------------------------------------
@@ -427,21 +504,22 @@ class WanSender(Sender):
             await ev.wait()
 
     def _pump(self) -> None:
-        events = self._sched.events()
-        for ev in events:
+        ended = False
+        for ev in self._sched.events():
             t = self._transfers.get(ev.transfer_id)
+            if isinstance(ev, TransferProgress):
+                if t is not None and t.progress is not None:
+                    t.progress(ev.transfer_id, ev.acked, ev.total)
+                continue
+            ended = True
             if t is None:
                 continue
-            if isinstance(ev, TransferProgress):
-                if t.progress is not None:
-                    t.progress(ev.transfer_id, ev.acked, ev.total)
-            elif isinstance(ev, TransferCompleted):
-                del self._transfers[ev.transfer_id]
-                t._finish(None)
-            elif isinstance(ev, TransferFailed):
-                del self._transfers[ev.transfer_id]
-                t._finish(ev.error)
-        if events:
+            del self._transfers[ev.transfer_id]
+            t._finish(ev.error if isinstance(ev, TransferFailed) else None)
+        # Progress alone (one per ack) changes nothing a waiter depends on: an ack only
+        # removes work (and hedging candidates), so it wakes nobody. A transfer that
+        # ended changes the timers, the urgent pacing and what wait_connected sees.
+        if ended:
             if self.urgent_pacing is not None:
                 self._apply_pacing()
             self._wake()
@@ -508,6 +586,7 @@ class WanSender(Sender):
                         s.sample = sample
                         if s.index < self._nbulk:  # the express lane is not paced
                             self._pacer.on_sample(sample, now)
+            self._choose_chunk()
             decision = self._pacer.decide(now)
             if self.urgent_pacing is not None:
                 total = sum(
@@ -526,6 +605,12 @@ class WanSender(Sender):
                 if changed:
                     self._wake()
                     self._pump()
+
+    def _choose_chunk(self) -> None:
+        samples = [s.sample for s in self._streams[: self._nbulk] if s.up and s.sample is not None]
+        self._sched.chunk_size = path_chunk_size(
+            samples, base=self._base_chunk, largest=self._max_chunk
+        )
 
     def _stream_state_changed(self) -> None:
         if any(s.up for s in self._streams):
@@ -593,6 +678,10 @@ class WanSender(Sender):
             backoff = 0.01
             s.sock, s.up = sock, True
             s.connects += 1
+            # the handshake's RTT and initial pacing rate: enough for the first
+            # chunk-size choice before the sampling task has run
+            s.sample = read_tcp_info(sock, s.index)
+            self._choose_chunk()
             self._stream_state_changed()
             try:
                 async with trio.open_nursery() as n:
@@ -632,6 +721,11 @@ class WanSender(Sender):
     async def _send_loop(self, s: _Stream, sock: Any) -> None:
         hello = LinkFrame(LinkKind.HELLO, self._session, s.index)
         await send_all(sock, [memoryview(hello.encode())])
+        if s.index >= self._nbulk and self.express_warmup:
+            # Open the idle express stream's congestion window now: a fresh one
+            # (10 packets) needs 2-3 extra RTTs for the first urgent transfers.
+            pad = LinkFrame(LinkKind.PAD, self._session, s.index, self.express_warmup)
+            await send_all(sock, [memoryview(pad.encode()), _zeros(self.express_warmup)])
         sched = self._sched
         while True:
             if self.notsent_lowat:
@@ -670,6 +764,7 @@ class WanSender(Sender):
                 sched.on_ack(s.index, f.transfer_id, f.offset, f.offset + f.length, now)
             elif f.kind is LinkKind.DUP:
                 sched.on_dup(s.index, f.transfer_id, f.offset, f.offset + f.length)
+                self._wake()  # the chunk may be back in a queue: idle streams look again
             elif f.kind is LinkKind.CANCELLED:
                 err: PddnetError
                 if f.code is LinkCode.TIMEOUT:
