@@ -30,7 +30,14 @@ def _warn_once() -> None:
 
 
 # UCX-only options, dropped for the TCP fallback
-_UCX_ONLY = ("tls", "spin_us", "max_inflight", "busy_poll_us", "busy_poll_max_bytes")
+_UCX_ONLY = (
+    "tls",
+    "spin_us",
+    "max_inflight",
+    "busy_poll_us",
+    "busy_poll_max_bytes",
+    "drain_timeout",
+)
 
 
 def _tcp_options(kw: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +50,7 @@ def open_local_receiver(**kw: Any) -> Receiver:
     """A receiver for the local path: :class:`UcxReceiver`, or a TCP one without ucxx.
 
     Use it as an async context manager; ``kw`` go to the chosen class (the
-    UCX-only ``tls``, ``spin_us`` and ``busy_poll_*`` are dropped for TCP).
+    UCX-only ``tls``, ``spin_us``, ``busy_poll_*`` and ``drain_timeout`` are dropped for TCP).
     Pass ``secret=`` to authenticate senders: both transports run the same
     challenge-response (:class:`pddnet.wire.AuthHandshake`) before any data.
     """

@@ -56,10 +56,18 @@ its worker address. A sender in another namespace leaves out UCX's
 shared-memory transports, which never deliver across namespaces.
 
 A message longer than its posted receive fails with UCX's truncation error
-and the transfer is rejected; a message with a tag nobody posted stays in
-UCX's unexpected queue and never touches memory. So the sender cannot write
+and the transfer is rejected; a message with a tag nobody posted waits in
+UCX's unexpected queue, never touching granted memory, and the receiver sweeps
+it out (that queue has no bound of its own). So the sender cannot write
 outside its grant. (ucxx does not report the received length, so a *shorter*
 message cannot be detected; senders are trusted for that inside a datacenter.)
+
+**Ending a grant.** UCX cancels a tag receive only while it is unmatched; one
+whose data is in flight goes on writing until it completes. So a grant that
+ends early is reported ended (``wait_transfer`` raises; the engine may reuse
+the blocks) only once each of its receives completed or was confirmed
+cancelled, bounded by ``drain_timeout``, after which the receiver halts its
+worker so nothing more lands (docs/local.md, *Ending a grant*).
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ from ..._errors import (
     RemoteProtocolError,
     TransferCancelled,
     TransferTimeout,
+    TransportError,
 )
 from ...kv import ByteRanges
 from ...wire._auth import (
@@ -142,6 +151,20 @@ K_POLL_YIELD_S = 1e-3  # low-latency mode: a full trio checkpoint at least this 
 # way instead of START + pieces + posted receives. Below UCX's rendezvous
 # threshold (8 KiB), so it is one eager message.
 K_INLINE_MAX = 8192 - 64
+# A grant that ends (cancelled, failed, timed out, receiver closing) is reported
+# only once every receive posted into it completed or UCX confirmed it
+# cancelled. UCX cannot cancel a receive whose message already matched (a
+# rendezvous transfer in flight); if such a receive has not completed after this
+# long, the receiver halts its UCX worker (see UcxReceiver, drain_timeout).
+K_DRAIN_TIMEOUT_S = 5.0
+K_SEND_DRAIN_S = 2.0  # a closing sender lets sends in flight finish for this long
+# Messages whose tag no receive is posted for wait in UCX's unexpected queue,
+# which has no bound: a stranger with the worker address could fill memory
+# (measured: 20,000 4 KiB messages grew a receiver by 128 MB). The receiver
+# sweeps it: every K_SWEEP_S, unexpected messages that nothing live awaits are
+# received into scratch and dropped, at most K_SWEEP_MAX per round.
+K_SWEEP_S = 0.1
+K_SWEEP_MAX = 4096
 
 
 class _Ctl(enum.IntEnum):
@@ -386,6 +409,8 @@ class _RxTransfer:
     __slots__ = (
         "bytes_done",
         "done",
+        "drain_scope",
+        "draining",
         "error",
         "handles",
         "layer_events",
@@ -419,6 +444,8 @@ class _RxTransfer:
         self.scope: trio.CancelScope | None = None
         self.queues: list[int] = []
         self.targets: list[Any] = []  # granted memory, piece by piece: posted at START
+        self.draining = 0  # ended, but this many receives may still write into it
+        self.drain_scope: trio.CancelScope | None = None
 
 
 class _Session:
@@ -460,6 +487,11 @@ class UcxReceiverStatistics:
     senders: int = 0  # admitted sessions
     auth_failures: int = 0  # handshakes failed, skipped or timed out
     unauthenticated_dropped: int = 0  # control messages from no admitted sender
+    transfers_draining: int = 0  # ended, not yet reported: receives still in flight
+    unexpected_dropped: int = 0  # messages swept from UCX's unexpected queue
+    unexpected_dropped_bytes: int = 0
+    drains: int = 0  # ends that had to wait for receives in flight
+    path_closed: bool = False  # the worker was halted (a drain deadline passed)
 
 
 class UcxReceiver(_Service, Receiver):
@@ -478,6 +510,15 @@ class UcxReceiver(_Service, Receiver):
             transfer of at most ``busy_poll_max_bytes`` busy-poll this long
             before sleeping (0: off, the default).
         busy_poll_max_bytes: the low-latency mode's size threshold.
+        drain_timeout: when a grant ends (cancelled, failed, timed out, the
+            receiver closing), its end is reported (``wait_transfer`` raises)
+            only after every receive posted into it completed or was confirmed
+            cancelled: UCX cannot cancel a receive whose data is already in
+            flight. If one is still in flight after this many seconds, the
+            receiver halts its UCX worker, so that nothing more can land in
+            memory the engine may reuse, fails every transfer with
+            :class:`~pddnet.TransportError` saying so, and refuses new grants
+            (open a new receiver).
 
     Raises:
         MissingExtraError: if ucxx is not installed (see :func:`open_local_receiver`
@@ -494,8 +535,13 @@ class UcxReceiver(_Service, Receiver):
         auth_timeout: float = K_AUTH_TIMEOUT_S,
         busy_poll_us: float = 0.0,
         busy_poll_max_bytes: int = K_POLL_MAX_BYTES,
+        drain_timeout: float = K_DRAIN_TIMEOUT_S,
     ) -> None:
         super().__init__(tls, spin_us, secret, auth_timeout, busy_poll_us, busy_poll_max_bytes)
+        self.drain_timeout = drain_timeout
+        self.path_error: TransportError | None = None  # set when the worker was halted
+        self._drains = 0
+        self._swept = self._swept_bytes = 0
         self._transfers: dict[int, _RxTransfer] = {}
         self._finished: deque[int] = deque()
         self._sessions: dict[int, _Session] = {}
@@ -513,12 +559,68 @@ class UcxReceiver(_Service, Receiver):
         await self._open()
         self.address = f"{K_ADDR_PREFIX}{_netns_id()}:{_b64(self._worker.address)}"
         self._listen(K_TAG_CTRL_RX, self._on_public)
+        self._nursery.start_soon(self._sweeper)
         return self
+
+    async def _sweeper(self) -> None:
+        while True:
+            await trio.sleep(K_SWEEP_S)
+            try:
+                while not self._worker.halted and self._sweep() >= K_SWEEP_MAX:
+                    await trio.lowlevel.checkpoint()  # a flood: go on, but let others run
+            except Exception as exc:  # never take the receiver down for housekeeping
+                log.error("sweeping UCX's unexpected queue failed; stopped: %r", exc)
+                return
+
+    def _sweep(self) -> int:
+        """Drop unexpected messages nothing live awaits, oldest first; returns how many.
+
+        Stops at the first message something may still receive (an inbox's, or
+        data for a live grant under its session's mask, whose receives are posted
+        at START): UCX's probe only sees the oldest, and that one is matched soon.
+        Data for a grant that ended (a piece that crossed the CANCEL) goes too.
+        """
+        w = self._worker
+        n = 0
+        while n < K_SWEEP_MAX:
+            head = w.oldest_unexpected()
+            if head is None or self._awaited(head[0]) or not w.discard(head[0]):
+                break
+            n += 1
+            self._swept_bytes += head[1]
+        if n:
+            self._swept += n
+            level = logging.WARNING if self._swept == n else logging.DEBUG
+            log.log(level, "dropped %d UCX messages no receive was posted for", n)
+        return n
+
+    def _awaited(self, tag: int) -> bool:
+        """Whether a receive may still be posted for ``tag`` (see :meth:`_sweep`)."""
+        kind = tag >> 60
+        if kind == K_TAG_CTRL_RX >> 60:
+            return tag == K_TAG_CTRL_RX
+        if kind == 0xE:
+            return tag in self._session_tags
+        if kind != 0x8:
+            return False
+        low = tag & ((1 << 56) - 1)
+        for s in self._sessions.values():
+            t = self._transfers.get((low ^ s.tags.mask) >> 24)
+            if t is not None and t.state is TransferState.RUNNING and t.sender in (None, s.sid):
+                return True
+        return False
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Cancel every grant and close; returns once nothing more can land in them.
+
+        Receives still in flight are waited for up to ``drain_timeout``; then
+        the worker is halted and those transfers fail with TransportError.
+        """
+        if self._stack is None:
+            return
         for t in list(self._transfers.values()):
             self._finish(
                 t,
@@ -526,6 +628,14 @@ class UcxReceiver(_Service, Receiver):
                 TransferCancelled("receiver closed", transfer_id=t.tid),
                 _Code.CANCELLED,
             )
+        draining = [t for t in self._transfers.values() if t.draining]
+        if draining:
+            with trio.move_on_after(self.drain_timeout):
+                for t in draining:
+                    await t.done.wait()
+            left = [t for t in draining if t.draining]
+            if left:
+                self._close_path(left[0], "the receiver is closing")
         await self._close()
 
     # ------------------------------------------------------------------ grant
@@ -544,6 +654,8 @@ class UcxReceiver(_Service, Receiver):
         """
         if self._stack is None:
             raise LocalProtocolError("UcxReceiver used outside `async with`")
+        if self.path_error is not None:
+            raise TransportError(f"this UCX receiver is closed: {self.path_error}")
         mvs = _flat_views(views)
         keep = ranges.length > 0
         lengths = ranges.length[keep]
@@ -622,6 +734,10 @@ class UcxReceiver(_Service, Receiver):
     def _piece_done(self, t: _RxTransfer, i: int, n: int) -> Any:
         def cb(req: Any, err: BaseException | None) -> None:
             if t.state is not TransferState.RUNNING:
+                if t.draining:  # a receive UCX could not cancel has now stopped
+                    t.draining -= 1
+                    if t.draining == 0:
+                        self._release(t)
                 return
             if err is not None:
                 exc = RemoteProtocolError(
@@ -657,22 +773,85 @@ class UcxReceiver(_Service, Receiver):
         t.state, t.error = state, error
         if t.sender is not None:  # first: the sender's wake-up overlaps our bookkeeping
             self._tell(t, code)
-        for h in t.handles:
-            self._worker.forget(h)  # cancels receives still posted
-        t.handles = []
+        if error is None:  # every piece landed: nothing is posted any more
+            for h in t.handles:
+                self._worker.forget(h)
+            t.handles = []
+        else:
+            # Unmatched receives are cancelled at once; a receive whose data is in
+            # flight cannot be, and may write into the blocks until it completes.
+            # The end is reported (and the engine may reuse the blocks) only when
+            # each has completed: see _piece_done, and _drain_deadline for the bound.
+            t.handles = self._worker.cancel(t.handles)
         t.targets = []
-        for ev in t.layer_events:
-            if error is None:
-                ev.set()
         if t.scope is not None:
             t.scope.cancel()
+        if t.handles and not self._worker.halted:
+            t.draining = len(t.handles)
+            self._drains += 1
+            log.debug("transfer %d ended with %d receives in flight", t.tid, t.draining)
+            self._nursery.start_soon(self._drain_deadline, t)
+            return
+        self._release(t)
+
+    async def _drain_deadline(self, t: _RxTransfer) -> None:
+        with trio.CancelScope() as scope:
+            t.drain_scope = scope
+            await trio.sleep(self.drain_timeout)
+            if t.draining:
+                self._close_path(t, "its grant ended")
+
+    def _close_path(self, t: _RxTransfer, why: str) -> None:
+        """The last resort: receives into ``t`` did not stop in time. Halt the worker.
+
+        Closing the endpoints would not do: UCX keeps a matched receive going over
+        its own endpoint (measured: a stalled rendezvous still landed after
+        ``ep.close()``). Over tcp and shared memory the bytes land only inside
+        this process's ``progress()``, so a worker never progressed again
+        writes nothing more. Every transfer fails; the receiver takes no grant.
+        """
+        who = f"ucx-sender-{t.sender:08x}" if t.sender is not None else None
+        exc = TransportError(
+            f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
+            f"{self.drain_timeout} s after {why} (UCX cannot cancel a receive whose data "
+            f"is in flight); the receiver halted its UCX worker so nothing more can land, "
+            f"and is closed",
+            transfer_id=t.tid,
+            peer=who,
+        )
+        exc.__cause__ = t.error
+        self.path_error = exc
+        log.error("%s", exc)
+        self._worker.halt()
+        for u in list(self._transfers.values()):
+            if u.state is TransferState.RUNNING or u.draining:
+                err = (
+                    exc
+                    if u is t
+                    else TransportError(f"the UCX receiver was closed: {exc}", transfer_id=u.tid)
+                )
+                if u.state is TransferState.RUNNING:
+                    self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
+                else:
+                    if u is not t:
+                        err.__cause__ = u.error
+                    u.error = err
+                    u.state = TransferState.FAILED
+                    self._release(u)
+
+    def _release(self, t: _RxTransfer) -> None:
+        """Report ``t``'s end: nothing can write into its blocks any more."""
+        t.draining = 0
+        t.handles = []
+        if t.drain_scope is not None:
+            t.drain_scope.cancel()
+        for ev in t.layer_events:
+            ev.set()
         t.done.set()
-        if error is None:
+        if t.error is None:
             self._ok += 1
         else:
             self._failed += 1
-            for ev in t.layer_events:
-                ev.set()
         self._finished.append(t.tid)
         while len(self._finished) > K_KEEP_FINISHED:
             self._transfers.pop(self._finished.popleft(), None)
@@ -903,7 +1082,13 @@ class UcxReceiver(_Service, Receiver):
             raise t.error
 
     def cancel(self, transfer_id: int) -> None:
-        """Revoke the grant: posted receives are cancelled, the sender told. Idempotent."""
+        """Revoke the grant: posted receives are cancelled, the sender told. Idempotent.
+
+        Receives whose data is already in flight cannot be cancelled by UCX:
+        ``wait_transfer`` raises only once they stopped (see ``drain_timeout``),
+        so reuse the blocks after ``wait_transfer``/``wait_layer`` raised, not
+        right after this call.
+        """
         t = self._transfers.get(transfer_id)
         if t is not None:
             exc = TransferCancelled("the receiver cancelled the transfer", transfer_id=transfer_id)
@@ -922,6 +1107,11 @@ class UcxReceiver(_Service, Receiver):
             len(self._sessions),
             self.auth_failures,
             self._unauth,
+            sum(t.draining > 0 for t in self._transfers.values()),
+            self._swept,
+            self._swept_bytes,
+            self._drains,
+            self.path_error is not None,
         )
 
 
@@ -1182,6 +1372,26 @@ class UcxSender(_Service, Sender):
                 TransferCancelled("sender closed", transfer_id=t.transfer_id),
                 _Code.CANCELLED,
             )
+        if self._stack is not None and self._inflight > 0:
+            # UCX cannot cancel a send: let those in flight finish (bounded), so
+            # the receiver's drain completes instead of timing out and closing
+            # its path (see UcxReceiver, drain_timeout).
+            with trio.move_on_after(K_SEND_DRAIN_S):
+                while self._inflight > 0:
+                    await trio.sleep(0.002)
+        if self._stack is not None and self._ep is not None and not self._worker.halted:
+            # A graceful endpoint close flushes what UCX still holds for the
+            # receiver; without it a process exiting right after a cancel could
+            # cut a rendezvous short, and the receiver's drain would time out.
+            try:
+                req = self._ep.close()
+            except Exception as exc:  # already closed or failed: nothing to flush
+                log.debug("UCX endpoint close failed: %s", exc)
+            else:
+                with trio.move_on_after(K_SEND_DRAIN_S):
+                    while not req.completed:
+                        self._worker._wake()
+                        await trio.sleep(0.002)
         await self._close()
 
     def start(
@@ -1354,13 +1564,19 @@ class UcxSender(_Service, Sender):
         if t._state is not TransferState.RUNNING:
             return
         t._state, t._error = state, error
-        for h, n in t._inflight.items():  # still posted (completed ones left the dict)
-            self._worker.forget(h)
-            self._inflight -= 1
-            if error is None:  # the receiver has it all: these sends completed too
+        if error is None:  # the receiver has it all: sends still registered completed too
+            for h, n in t._inflight.items():
+                self._worker.forget(h)
+                self._inflight -= 1
                 t.bytes_sent += n
                 self._bytes += n
                 self._pieces += 1
+        # Otherwise sends in flight stay registered: UCX cannot cancel a send
+        # (ucp_request_cancel affects receives only), and the receiver reports
+        # the grant's end only once its receives stopped, so the worker goes on
+        # progressing them (send ticks). Their callbacks (_sent) free the slot;
+        # a send that never completes (a dead or halted receiver) keeps its
+        # max_inflight slot, like the receiver it was bound to, which is gone.
         t._inflight.clear()
         t._ready.clear()
         if t.scope is not None:

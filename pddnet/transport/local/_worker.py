@@ -37,6 +37,9 @@ every size measured here and needs asyncio futures, so it is not used.
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import logging
 import os
 import time
 from collections import deque
@@ -48,6 +51,8 @@ import trio
 from ..._errors import PeerUnavailable, TransportError
 from ..._optional import require
 
+log = logging.getLogger("pddnet.transport.local")
+
 __all__ = ["UcxWorker", "K_DEFAULT_TLS"]
 
 K_DEFAULT_TLS = "tcp,sm,self"  # used only when neither UCX_TLS nor tls= is given
@@ -57,7 +62,59 @@ K_PROGRESS_BATCH = 64
 K_SEND_TICK_MAX_S = 2e-3
 K_ARM_RETRIES = 4  # arm() failures in a row before yielding to trio
 
+K_SCRATCH = 64 << 10  # where discarded unexpected messages are received
+
 Callback = Callable[[Any, BaseException | None], None]
+
+
+def _ignore(req: Any, err: BaseException | None) -> None:
+    pass
+
+
+_CANCEL_SYMBOLS = ("_ZN4ucxx10RequestTag6cancelEv", "_ZN4ucxx7Request6cancelEv")
+_cancel_fn: Any = None  # resolved once: ucxx::RequestTag::cancel (or Request::cancel)
+
+
+def _request_cancel() -> Any:
+    """``ucxx::Request::cancel`` of libucxx, called on a request we keep a reference to.
+
+    ucxx's Python layer cancels a request only in ``UCXRequest.__dealloc__``, and
+    then nobody can see how it ended. UCX's ``ucp_request_cancel`` completes a
+    tag receive with ``UCS_ERR_CANCELED`` only while it is still *unmatched*
+    (in the expected queue); a receive whose message already matched (a
+    rendezvous transfer in flight) is not cancelled and goes on writing into
+    its buffer until it completes. So the receiver cancels with the request
+    still in hand and watches it complete (see docs/local.md, *Ending a grant*).
+    Returns None if the symbol is missing: then receives are not cancelled at
+    all, and a grant's end waits for them until its drain deadline closes the
+    path.
+    """
+    global _cancel_fn
+    if _cancel_fn is None:
+        _cancel_fn = False
+        lib_file = os.path.abspath(str(require("ucxx._lib.libucxx").__file__))
+        site = os.path.dirname(os.path.dirname(os.path.dirname(lib_file)))
+        for so in glob.glob(os.path.join(site, "libucxx", "lib*", "libucxx.so*")):
+            try:
+                lib = ctypes.CDLL(so)
+            except OSError:
+                continue
+            for name in _CANCEL_SYMBOLS:
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.argtypes = [ctypes.c_void_p]
+                    fn.restype = None
+                    _cancel_fn = fn
+                    break
+            if _cancel_fn:
+                break
+        if not _cancel_fn:
+            log.warning(
+                "libucxx has no Request::cancel symbol: a cancelled UCX receive cannot be "
+                "watched until UCX confirms it; ending a grant waits for its receives and then "
+                "closes the path"
+            )
+    return _cancel_fn or None
 
 
 class UcxWorker:
@@ -105,6 +162,8 @@ class UcxWorker:
         self._sends = 0
         self._sleep: trio.CancelScope | None = None
         self.closed = False
+        self.halted = False  # see halt(): progress() is never called again
+        self._scratch: bytearray | None = None
         self.progress_calls = 0
         self.inline_sends = 0
         self.epoll_waits = 0
@@ -194,6 +253,76 @@ class UcxWorker:
                 self._queues[queue] = q
             self._dirty = True
 
+    def cancel(self, handles: list[int]) -> list[int]:
+        """Cancel posted requests and keep watching those UCX could not cancel.
+
+        UCX completes an *unmatched* tag receive at once with
+        ``UCS_ERR_CANCELED``; those are dropped here (their callbacks never
+        run). A receive whose message already matched (a rendezvous transfer in
+        flight) cannot be cancelled: it goes on writing into its buffer until it
+        completes. Those stay registered, and their callbacks run when they
+        complete (with any status).
+
+        Returns:
+            The handles still in flight (their buffers may still be written).
+        """
+        fn = _request_cancel()
+        left: list[int] = []
+        for h in handles:
+            entry = self._pending.get(h)
+            if entry is None:
+                continue
+            req = entry[0]
+            if fn is not None and not req.completed:
+                fn(req.ucxx_ptr)
+            if req.completed:
+                self.forget(h)
+            else:  # matched and in flight (or, without the symbol, not cancelled at all)
+                left.append(h)
+        if left:
+            self._dirty = True
+        return left
+
+    def halt(self) -> None:
+        """Never progress this worker again (the local path's last resort).
+
+        Over UCX's receiver-driven transports (tcp, the shared-memory FIFOs,
+        cma's GET) bytes land in a posted buffer only inside this process's
+        ``progress()``, so after this nothing more lands. Requests stay
+        registered (nothing is freed under UCX); :meth:`close` drops them.
+        """
+        self.halted = True
+        self._wake()
+
+    def oldest_unexpected(self) -> tuple[int, int] | None:
+        """The tag and length of the oldest message no posted receive matched, or None.
+
+        UCX keeps such messages (the payload of eager ones, the header of
+        rendezvous ones) in its unexpected queue until a receive matches them.
+        """
+        r = self.worker.tag_probe(self.tag(0), self._ucx.UCXXTagMask(0), False)
+        return (int(r.sender_tag.value), int(r.length)) if r.matched else None
+
+    def discard(self, tag: int) -> bool:
+        """Take the oldest unexpected message with ``tag`` out of UCX's queue, unread.
+
+        It is received into a small scratch buffer (longer ones end truncated),
+        never into granted memory.
+
+        Returns:
+            Whether there was such a message.
+        """
+        r = self.worker.tag_probe(self.tag(tag), self._ucx.UCXXTagMaskFull, True)
+        if not r.matched:
+            return False
+        if self._scratch is None:
+            self._scratch = bytearray(K_SCRATCH)
+        arr = self.array(self._scratch)
+        req = self.worker.tag_recv_with_handle(arr, r)
+        if not req.completed:
+            self._watch(req, arr, _ignore, False, False, 0)
+        return True
+
     def forget(self, handle: int) -> None:
         """Drop a request: ucxx cancels it when the last reference goes."""
         entry = self._pending.pop(handle, None)
@@ -280,7 +409,7 @@ class UcxWorker:
                 self._wake()
 
     def _poll(self, worker: Any, done: Callable[[], bool], end: float) -> bool:
-        while True:
+        while not self.halted:
             self._run_deferred()
             made = False
             for _ in range(K_PROGRESS_BATCH):
@@ -301,6 +430,7 @@ class UcxWorker:
                 # Nothing yet: let a process sharing this core run (the peer,
                 # when there are fewer free cores than pollers); ~1 µs otherwise.
                 os.sched_yield()
+        return done()
 
     def after_reap(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once after the current (or next) round of completions.
@@ -347,7 +477,7 @@ class UcxWorker:
         idle_naps = 0
         woke_by_tick = False
         busy = 0
-        while True:
+        while not self.halted:
             made = False
             for _ in range(K_PROGRESS_BATCH):  # bounded: trio's other tasks must run
                 if not worker.progress_once():
@@ -403,6 +533,7 @@ class UcxWorker:
                 woke_by_tick = self._sleep.cancelled_caught and nap == K_FALLBACK_S
                 self._sleep = None
             last_event = time.perf_counter()
+        await trio.sleep_forever()  # halted: never progress again (until cancelled)
 
     def close(self) -> None:
         """Drop every request (UCX cancels them). The context goes with the object."""
