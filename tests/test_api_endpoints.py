@@ -15,24 +15,13 @@ from pddnet.api import (
     RelayEndpoint,
     SyncEndpoint,
 )
+from pddnet.bench.faults import reference  # single-instance greedy decoding
 from pddnet.control import ControlNode
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
 
 KEY = b"an-api-test-secret-0123456789abcdef"
 NB = 512
-
-
-def reference(prompt: list[int], n: int) -> list[int]:
-    m = ReferenceModel.create(TINY, num_blocks=NB)
-    seq = m.new_sequence()
-    m.reserve(seq, len(prompt) + n)
-    tok = greedy(m.prefill(seq, prompt))
-    out = [tok]
-    while len(out) < n:
-        tok = greedy(m.decode_step(seq, tok))
-        out.append(tok)
-    return out
 
 
 class Sink:

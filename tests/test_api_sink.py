@@ -17,24 +17,13 @@ from pddnet.api import (
     RelayEndpoint,
     TokenStream,
 )
+from pddnet.bench.faults import reference  # single-instance greedy decoding
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
 from pddnet.transport.wan import WanReceiver
 
 KEY = b"a-sink-test-secret-0123456789abcdef"
 NB = 256
-
-
-def reference(prompt: list[int], n: int) -> list[int]:
-    m = ReferenceModel.create(TINY, num_blocks=NB)
-    seq = m.new_sequence()
-    m.reserve(seq, len(prompt) + n)
-    tok = greedy(m.prefill(seq, prompt))
-    out = [tok]
-    while len(out) < n:
-        tok = greedy(m.decode_step(seq, tok))
-        out.append(tok)
-    return out
 
 
 def tcp() -> WanReceiver:
