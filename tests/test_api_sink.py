@@ -163,3 +163,15 @@ async def test_an_abort_from_a_decoder_ends_the_stream_and_closing_tells_the_dec
             while md.statistics().active:
                 await trio.sleep(0.01)
         assert md.statistics().free_blocks == NB - len(md.cache)
+
+
+async def test_closing_the_sink_ends_its_open_streams() -> None:
+    from pddnet.api import TokenSink
+    from pddnet.control import ControlNode
+
+    async with ControlNode("user", secret=KEY) as node:
+        async with TokenSink(node) as sink:
+            stream = sink.open(9, sources=("md",))
+        with trio.fail_after(2), pytest.raises(RequestAborted, match="sink closed"):
+            await stream.result()
+        assert stream.done

@@ -289,6 +289,8 @@ class TokenSink:
                     self._stats["rounds"] += 1
                     asm.round_result(await self._round(asm), trio.current_time())
         finally:
+            if asm.phase is StreamPhase.OPEN:  # the sink is closing: so does the stream
+                asm.close("the token sink closed")
             self._streams.pop(rid, None)
             self._wake.pop(rid, None)
             stream._changed.set()
