@@ -450,11 +450,13 @@ class _DecodeEndpoint(ABC):
             raise RemoteProtocolError(
                 f"re-send asked by {peer}, not the sink", peer=peer, request_id=msg.request_id
             )
-        for pos in range(max(msg.start, kept.first), kept.last + 1):
-            tok = kept.tokens[pos - kept.first]
-            again = Emitted(msg.request_id, pos, tok, self.name, pos == kept.final)
-            await self.node.send(peer, again, timeout=self.sink_timeout_s)
-            self._stats["tokens_resent"] += 1
+        # handlers run one at a time: the whole re-send gets one bounded wait
+        with trio.move_on_after(self.sink_timeout_s):
+            for pos in range(max(msg.start, kept.first), kept.last + 1):
+                tok = kept.tokens[pos - kept.first]
+                again = Emitted(msg.request_id, pos, tok, self.name, pos == kept.final)
+                await self.node.send(peer, again, timeout=self.sink_timeout_s)
+                self._stats["tokens_resent"] += 1
         return StreamStatus(msg.request_id, int(kept.state), kept.first, kept.last, kept.detail)
 
     def _on_stream_ack(self, peer: str, msg: StreamAck) -> None:
