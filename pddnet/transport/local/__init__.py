@@ -18,7 +18,7 @@ from ._transport import (
     UcxSenderStatistics,
     UcxTransfer,
 )
-from ._worker import K_DEFAULT_TLS, UcxWorker
+from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
 
 __all__ = [
     "K_DEFAULT_TLS",
@@ -28,6 +28,7 @@ __all__ = [
     "UcxSenderStatistics",
     "UcxTransfer",
     "UcxWorker",
+    "detects_dead_peers",
     "local_available",
     "open_local_receiver",
     "open_local_sender",

@@ -37,7 +37,9 @@ Without a secret the mask is 0 and the public inboxes carry everything.
 Control messages are a fixed little-endian header ``u32 length, u8 kind, u8
 code, u32 sender_id, u32 transfer_id`` and a blob (no msgpack on the hot
 path): HELLO (sender -> receiver, blob = [the sender's CHALLENGE frame] + its
-worker address, code 1 when the frame is there), AUTH (40-byte handshake
+worker address; code bit 0 when the frame is there, bit 1 when the sender's
+endpoint asked UCX for error handling, which the receiver's endpoint back must
+match), AUTH (40-byte handshake
 frames, either way), ACCEPT (receiver: the sender is admitted), START (so the
 receiver knows whom to tell and posts the transfer's receives; posted right
 before the transfer's first piece, so both arrive in one wake-up, or at
@@ -121,7 +123,7 @@ from ._auth import (
     session_tags,
     ucx_auth_context,
 )
-from ._worker import K_DEFAULT_TLS, UcxWorker
+from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
 
 __all__ = [
     "UcxReceiver",
@@ -165,6 +167,22 @@ K_SEND_DRAIN_S = 2.0  # a closing sender lets sends in flight finish for this lo
 # received into scratch and dropped, at most K_SWEEP_MAX per round.
 K_SWEEP_S = 0.1
 K_SWEEP_MAX = 4096
+
+
+# ucxx errors (class names) with which UCX fails a receive whose sender's
+# endpoint failed (error handling on; measured: a SIGKILLed sender gives
+# UCXXConnectionResetError within milliseconds).
+K_PEER_FAILURES = (
+    "ConnectionReset",
+    "EndpointTimeout",
+    "Unreachable",
+    "NotConnected",
+    "LinkFailure",
+    "EndpointFailure",
+    "IOError",
+)
+K_HELLO_AUTH = 1  # HELLO code bits: a CHALLENGE frame leads the blob
+K_HELLO_ERRH = 2  # the sender's endpoint has UCX error handling (both ends must agree)
 
 
 class _Ctl(enum.IntEnum):
@@ -451,25 +469,29 @@ class _RxTransfer:
 class _Session:
     """An admitted sender: its endpoint and its session's tags."""
 
-    __slots__ = ("ep", "inbox", "sid", "tags")
+    __slots__ = ("ep", "errh", "inbox", "sid", "tags")
 
-    def __init__(self, sid: int, ep: Any, tags: SessionTags) -> None:
+    def __init__(self, sid: int, ep: Any, tags: SessionTags, errh: bool = False) -> None:
         self.sid = sid
         self.ep = ep
         self.tags = tags
+        self.errh = errh  # UCX error handling: a dead sender fails its receives in flight
         self.inbox: _Inbox | None = None
 
 
 class _Pending:
     """A handshake in progress on the receiver."""
 
-    __slots__ = ("ep", "hs", "n_i", "n_r", "scope")
+    __slots__ = ("ep", "errh", "hs", "n_i", "n_r", "scope")
 
-    def __init__(self, hs: AuthHandshake, ep: Any, n_i: bytes, n_r: bytes) -> None:
+    def __init__(
+        self, hs: AuthHandshake, ep: Any, n_i: bytes, n_r: bytes, errh: bool = False
+    ) -> None:
         self.hs = hs
         self.ep = ep
         self.n_i = n_i
         self.n_r = n_r
+        self.errh = errh
         self.scope = trio.CancelScope()
 
 
@@ -492,6 +514,7 @@ class UcxReceiverStatistics:
     unexpected_dropped_bytes: int = 0
     drains: int = 0  # ends that had to wait for receives in flight
     path_closed: bool = False  # the worker was halted (a drain deadline passed)
+    peers_lost: int = 0  # senders UCX reported unreachable (error handling: a dead sender)
 
 
 class UcxReceiver(_Service, Receiver):
@@ -541,6 +564,7 @@ class UcxReceiver(_Service, Receiver):
         self.drain_timeout = drain_timeout
         self.path_error: TransportError | None = None  # set when the worker was halted
         self._drains = 0
+        self._peers_lost = 0
         self._swept = self._swept_bytes = 0
         self._transfers: dict[int, _RxTransfer] = {}
         self._finished: deque[int] = deque()
@@ -740,10 +764,14 @@ class UcxReceiver(_Service, Receiver):
                         self._release(t)
                 return
             if err is not None:
-                exc = RemoteProtocolError(
-                    f"piece {i} of {n} bytes failed: {err}", transfer_id=t.tid
-                )
-                self._finish(t, TransferState.FAILED, exc, _Code.REJECTED)
+                name = type(err).__name__
+                if any(x in name for x in K_PEER_FAILURES):  # its sender's endpoint failed
+                    self._peer_lost(t, i, n, err)
+                else:  # e.g. truncated: longer than granted, the sender's fault
+                    exc = RemoteProtocolError(
+                        f"piece {i} of {n} bytes failed: {err}", transfer_id=t.tid
+                    )
+                    self._finish(t, TransferState.FAILED, exc, _Code.REJECTED)
                 return
             t.bytes_done += n
             self._bytes += n
@@ -757,6 +785,38 @@ class UcxReceiver(_Service, Receiver):
                 self._finish(t, TransferState.DONE, None, None)
 
         return cb
+
+    def _peer_lost(self, t: _RxTransfer, i: int, n: int, err: BaseException) -> None:
+        """UCX failed a receive of ``t``: its sender is unreachable (with UCX error
+        handling, a dead sender fails its receives in flight within milliseconds).
+
+        Only that sender's transfers fail, with PeerUnavailable; its session is
+        dropped. Each ends as usual: unmatched receives are cancelled, receives in
+        flight count down as they fail, and the end is reported when none is left,
+        so the worker goes on serving the other senders (no halt).
+        """
+        sid = t.sender
+        who = f"ucx-sender-{sid:08x}" if sid is not None else None
+        first = PeerUnavailable(
+            f"UCX receive of piece {i} ({n} bytes) failed: {err}; the sender is unreachable",
+            transfer_id=t.tid,
+            peer=who,
+        )
+        self._peers_lost += 1
+        log.warning("%s", first)
+        s = self._sessions.get(sid) if sid is not None else None
+        if s is not None:
+            self._drop_session(s)  # nothing more is told to it; its tags are free
+        self._finish(t, TransferState.FAILED, first, None)
+        for u in list(self._transfers.values()):
+            if u is not t and u.sender == sid and u.state is TransferState.RUNNING:
+                exc = PeerUnavailable(
+                    f"the UCX sender of this transfer is unreachable: {err}",
+                    transfer_id=u.tid,
+                    peer=who,
+                )
+                exc.__cause__ = first
+                self._finish(u, TransferState.FAILED, exc, None)
 
     async def _deadline(self, t: _RxTransfer, timeout: float) -> None:
         with trio.CancelScope() as scope:
@@ -910,7 +970,8 @@ class UcxReceiver(_Service, Receiver):
         if sender in self._sessions or sender in self._pending_auth:
             self._unauth += 1  # a duplicate (or a spoofed id): the first one stands
             return
-        wants_auth = code == 1
+        wants_auth = bool(code & K_HELLO_AUTH)
+        errh = bool(code & K_HELLO_ERRH)
         frame, address = b"", blob
         if wants_auth:
             frame, address = blob[:K_AUTH_FRAME_SIZE], blob[K_AUTH_FRAME_SIZE:]
@@ -921,7 +982,9 @@ class UcxReceiver(_Service, Receiver):
             self._auth_failed(sender, AuthError("too many UCX handshakes in progress"))
             return
         try:
-            ep = self._worker.connect(address)
+            # The same error-handling mode as the sender's endpoint: UCX never
+            # delivered between endpoints whose modes differ (measured).
+            ep = self._worker.connect(address, error_handling=errh)
         except PeerUnavailable as exc:
             log.warning("cannot reach UCX sender %08x: %s", sender, exc)
             return
@@ -931,7 +994,7 @@ class UcxReceiver(_Service, Receiver):
                 err = AuthError("the sender asked to authenticate; this receiver has no secret")
                 self._reject(sender, ep, err, fail)
             else:
-                self._admit(sender, ep, legacy_tags(sender))
+                self._admit(sender, ep, legacy_tags(sender), errh)
             return
         if not wants_auth:
             self._reject(sender, ep, AuthError("the sender skipped authentication"), fail)
@@ -950,7 +1013,7 @@ class UcxReceiver(_Service, Receiver):
         except AuthError as exc:
             self._reject(sender, ep, exc, hs.data_to_send() or fail)
             return
-        p = _Pending(hs, ep, n_i, challenge_nonce(mine))
+        p = _Pending(hs, ep, n_i, challenge_nonce(mine), errh)
         self._pending_auth[sender] = p
         self._send_ctrl(
             ep, K_TAG_CTRL_TX | sender, _pack(_Ctl.AUTH, sender, 0, 0, mine + hs.data_to_send())
@@ -979,12 +1042,12 @@ class UcxReceiver(_Service, Receiver):
             err = AuthError("unusable UCX session (tag collision or trailing bytes)")
             self._reject(sender, p.ep, err, AuthFrame(AuthKind.FAIL).encode())
             return
-        self._admit(sender, p.ep, tags)
+        self._admit(sender, p.ep, tags, p.errh)
 
-    def _admit(self, sender: int, ep: Any, tags: SessionTags) -> None:
+    def _admit(self, sender: int, ep: Any, tags: SessionTags, errh: bool = False) -> None:
         if len(self._sessions) >= K_MAX_SESSIONS:
             self._evict_session()
-        s = _Session(sender, ep, tags)
+        s = _Session(sender, ep, tags, errh)
         if tags.rx_tag != K_TAG_CTRL_RX:  # an authenticated session: its own inbox
             s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m))
             self._session_tags.add(tags.rx_tag)
@@ -995,11 +1058,14 @@ class UcxReceiver(_Service, Receiver):
         busy = {t.sender for t in self._transfers.values() if t.state is TransferState.RUNNING}
         for sid, s in self._sessions.items():  # oldest first
             if sid not in busy:
-                del self._sessions[sid]
-                self._session_tags.discard(s.tags.rx_tag)
-                if s.inbox is not None:
-                    self._unlisten(s.inbox)
+                self._drop_session(s)
                 return
+
+    def _drop_session(self, s: _Session) -> None:
+        del self._sessions[s.sid]
+        self._session_tags.discard(s.tags.rx_tag)
+        if s.inbox is not None:
+            self._unlisten(s.inbox)
 
     async def _auth_deadline(self, sender: int, p: _Pending) -> None:
         with p.scope:
@@ -1112,6 +1178,7 @@ class UcxReceiver(_Service, Receiver):
             self._swept_bytes,
             self._drains,
             self.path_error is not None,
+            self._peers_lost,
         )
 
 
@@ -1233,6 +1300,13 @@ class UcxSender(_Service, Sender):
             of at most ``busy_poll_max_bytes`` busy-polls this long before
             sleeping (0: off, the default).
         busy_poll_max_bytes: the low-latency mode's size threshold.
+        error_handling: ask UCX for peer-failure handling on this connection
+            (the receiver follows; both ends must agree). None (default): only
+            when every transport in use can detect a dead peer
+            (:func:`~pddnet.transport.local.detects_dead_peers`, e.g.
+            ``UCX_TLS=tcp``); then a dead sender fails only its own transfers
+            on the receiver, at once. Forcing it with shared memory in the
+            transports makes UCX use tcp instead (docs/local.md).
 
     Raises:
         LocalProtocolError: for an address that is not a UCX one.
@@ -1253,6 +1327,7 @@ class UcxSender(_Service, Sender):
         auth_timeout: float = K_AUTH_TIMEOUT_S,
         busy_poll_us: float = 0.0,
         busy_poll_max_bytes: int = K_POLL_MAX_BYTES,
+        error_handling: bool | None = None,
     ) -> None:
         if not address.startswith(K_ADDR_PREFIX):
             raise LocalProtocolError(f"not a UCX address: {address[:40]!r}")
@@ -1267,6 +1342,8 @@ class UcxSender(_Service, Sender):
             busy_poll_max_bytes,
         )
         self.sender_id = secrets.randbits(32)
+        self._want_errh = error_handling
+        self.error_handling = False  # decided in __aenter__: see detects_dead_peers
         self.max_inflight = max_inflight
         self._transfers: dict[int, UcxTransfer] = {}
         self._inflight = 0
@@ -1295,8 +1372,14 @@ class UcxSender(_Service, Sender):
         """HELLO (with our CHALLENGE), the handshake, and the receiver's ACCEPT."""
         sid = self.sender_id
         self._public = self._listen(K_TAG_CTRL_TX | sid, self._on_public)
-        self._ep = self._worker.connect(self._peer_address)
+        # UCX error handling only where no shared-memory transport is in play
+        # (asking for it excludes them): then a dead receiver fails our sends,
+        # and our death fails the receiver's receives, at once.
+        want = self._want_errh
+        self.error_handling = detects_dead_peers(self._worker.tls) if want is None else want
+        self._ep = self._worker.connect(self._peer_address, error_handling=self.error_handling)
         address = self._worker.address
+        flags = K_HELLO_ERRH if self.error_handling else 0
         if self.secret is not None:
             self._hs = AuthHandshake(
                 AuthRole.INITIATOR,
@@ -1307,9 +1390,9 @@ class UcxSender(_Service, Sender):
             )
             first = self._hs.data_to_send()
             self._n_i = challenge_nonce(first)
-            hello = _pack(_Ctl.HELLO, sid, 0, 1, first + address)
+            hello = _pack(_Ctl.HELLO, sid, 0, flags | K_HELLO_AUTH, first + address)
         else:
-            hello = _pack(_Ctl.HELLO, sid, 0, 0, address)
+            hello = _pack(_Ctl.HELLO, sid, 0, flags, address)
         self._send_ctrl(self._ep, K_TAG_CTRL_RX, hello)
         with trio.move_on_after(self.auth_timeout):
             await self._admitted.wait()
@@ -1379,7 +1462,12 @@ class UcxSender(_Service, Sender):
             with trio.move_on_after(K_SEND_DRAIN_S):
                 while self._inflight > 0:
                     await trio.sleep(0.002)
-        if self._stack is not None and self._ep is not None and not self._worker.halted:
+        if (
+            self._stack is not None
+            and self._ep is not None
+            and not self._worker.halted
+            and self._ep_alive()
+        ):
             # A graceful endpoint close flushes what UCX still holds for the
             # receiver; without it a process exiting right after a cancel could
             # cut a rendezvous short, and the receiver's drain would time out.
@@ -1393,6 +1481,15 @@ class UcxSender(_Service, Sender):
                         self._worker._wake()
                         await trio.sleep(0.002)
         await self._close()
+
+    def _ep_alive(self) -> bool:
+        """Whether our endpoint is still up. With UCX error handling, ucxx closes
+        an endpoint whose peer failed; closing it again returned a request whose
+        ``completed`` crashed the process (SIGSEGV, measured: receiver killed)."""
+        try:
+            return bool(self._ep.alive)
+        except Exception:  # an older ucxx: assume it is
+            return True
 
     def start(
         self,
@@ -1550,7 +1647,9 @@ class UcxSender(_Service, Sender):
             if t._state is TransferState.RUNNING:
                 t._inflight.pop(slot[0], None)
                 if err is not None:
-                    exc = PeerUnavailable(f"UCX send failed: {err}", transfer_id=t.transfer_id)
+                    exc = PeerUnavailable(
+                        f"UCX send failed: {err}", transfer_id=t.transfer_id, peer=self.peer
+                    )
                     self._end(t, TransferState.FAILED, exc, _Code.CANCELLED)
                 else:
                     self._account(t, n)

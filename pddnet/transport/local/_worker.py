@@ -53,9 +53,17 @@ from ..._optional import require
 
 log = logging.getLogger("pddnet.transport.local")
 
-__all__ = ["UcxWorker", "K_DEFAULT_TLS"]
+__all__ = ["UcxWorker", "K_DEFAULT_TLS", "detects_dead_peers"]
 
 K_DEFAULT_TLS = "tcp,sm,self"  # used only when neither UCX_TLS nor tls= is given
+# Transports with UCX peer-failure handling. Endpoints ask for error handling
+# only when every transport a worker may use is one of these: asking for it
+# excludes the others (sm/posix/sysv, cma, ...), which cannot detect a dead
+# peer, and costs their throughput (docs/local.md, *Dead senders*).
+K_PEER_FAILURE_TLS = frozenset(
+    {"tcp", "self", "rc", "rc_v", "rc_x", "rc_mlx5", "dc", "dc_x", "dc_mlx5"}
+    | {"ud", "ud_v", "ud_x", "ud_mlx5", "ib", "cuda_copy", "rocm_copy"}
+)
 K_FALLBACK_S = 0.5  # progress at least this often even without events
 K_SEND_TICK_S = 50e-6
 K_PROGRESS_BATCH = 64
@@ -117,6 +125,21 @@ def _request_cancel() -> Any:
     return _cancel_fn or None
 
 
+def detects_dead_peers(tls: str) -> bool:
+    """Whether endpoints of a worker using ``tls`` (a ``UCX_TLS`` value) ask
+    UCX for error handling.
+
+    True only when every listed transport can detect a dead peer (tcp, the
+    RDMA transports, self): then a sender that dies mid-transfer makes the
+    receiver's in-flight receive fail at once (measured over tcp: within
+    6-11 ms of its SIGKILL, ``UCXXConnectionResetError``) instead of never
+    completing. False for anything with shared memory or ``cma`` (asking for
+    error handling would exclude them), for ``all`` and for ``^`` lists.
+    """
+    names = [x.strip() for x in tls.split(",") if x.strip()]
+    return bool(names) and all(x in K_PEER_FAILURE_TLS for x in names)
+
+
 class UcxWorker:
     """One UCX context and worker, progressed by a trio task (:meth:`run`).
 
@@ -142,6 +165,7 @@ class UcxWorker:
             opts["TLS"] = tls
         elif "UCX_TLS" not in os.environ:
             opts["TLS"] = K_DEFAULT_TLS
+        self.tls: str = opts.get("TLS") or os.environ.get("UCX_TLS", K_DEFAULT_TLS)
         ucx = self._ucx
         try:
             self.context = ucx.UCXContext(opts, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -177,13 +201,18 @@ class UcxWorker:
         """This worker's UCX address (pass it to :meth:`connect` elsewhere)."""
         return bytes(self.worker.address)
 
-    def connect(self, address: bytes) -> Any:
+    def connect(self, address: bytes, *, error_handling: bool = False) -> Any:
         """An endpoint to the worker at ``address``.
 
-        Error handling is off: UCX's shared-memory transports cannot detect a
-        dead peer, and asking for it excludes them (measured: 16 MiB at ~1 GB/s
-        over tcp/lo instead of ~6-9 GB/s over sm). pddnet's deadlines detect
-        a dead peer instead.
+        Args:
+            address: the peer worker's UCX address.
+            error_handling: ask UCX for peer-failure handling. Off by default:
+                UCX's shared-memory transports cannot detect a dead peer, and
+                asking for it excludes them (measured: 16 MiB at ~1 GB/s over
+                tcp/lo instead of ~6-9 GB/s over sm); pddnet's deadlines
+                detect a dead peer instead. On (see :func:`detects_dead_peers`)
+                a dead peer fails the receives in flight from it. Both ends of
+                a connection must agree (measured: a mismatch never delivers).
 
         Raises:
             PeerUnavailable: if UCX cannot reach it.
@@ -191,7 +220,7 @@ class UcxWorker:
         ucx = self._ucx
         try:
             addr = ucx.UCXAddress.create_from_buffer(address)
-            return self.worker.create_endpoint_from_worker_address(addr, False)
+            return self.worker.create_endpoint_from_worker_address(addr, error_handling)
         except Exception as exc:
             raise PeerUnavailable(f"UCX cannot reach the peer: {exc}") from exc
 
