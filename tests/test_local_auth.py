@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ import trio
 
 from pddnet import AuthError
 from pddnet._optional import available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_child import RUN_MAIN
 
 UCX = available("ucxx._lib.libucxx")
 ucx = pytest.mark.skipif(not UCX, reason="ucxx is not installed")
@@ -29,7 +33,8 @@ ENV = {
 }
 SECRET = b"local-path-secret-0123456789"
 
-RX = """
+RX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet import AuthError
 from pddnet.kv import ByteRanges
@@ -68,14 +73,12 @@ async def main():
             "posted": st.pieces_posted,
         }), flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
-TX = """
+TX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet import AuthError
 from pddnet.kv import ByteRanges
@@ -131,12 +134,9 @@ async def main():
     out["honest"] = "sent"
     print(json.dumps(out), flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -185,7 +185,8 @@ def test_ucx_auth_between_processes() -> None:
     assert got["dropped"] >= 2, got  # the raw peer's STARTs on the public inbox
 
 
-PAIR = """
+PAIR = (
+    """
 import os, sys, trio
 from contextlib import asynccontextmanager
 from pddnet import AuthError
@@ -227,12 +228,9 @@ async def main():
         except AuthError as exc:
             print("TIMEOUT", exc, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -312,7 +310,8 @@ async def test_tcp_fallback_authenticates(monkeypatch: pytest.MonkeyPatch) -> No
     case.check_complete()
 
 
-INLINE = """
+INLINE = (
+    """
 import os, sys, trio, numpy as np
 from pddnet import RemoteProtocolError
 from pddnet.kv import ByteRanges
@@ -347,12 +346,9 @@ async def main():
         except RemoteProtocolError as exc:
             print("REJECTED", np.array_equal(dst, before), exc, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -371,7 +367,8 @@ def test_small_transfer_inline_and_exact() -> None:
     assert "REJECTED True" in r.stdout, r.stdout
 
 
-POLL_RX = """
+POLL_RX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver
@@ -393,14 +390,12 @@ async def main():
         want = (np.arange(dst.size) % 253).astype(np.uint8)
         print("RX", np.array_equal(dst, want), rx._worker.poll_rounds > 0, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
-POLL_TX = """
+POLL_TX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport import Grant
@@ -421,12 +416,9 @@ async def main():
         st = tx.statistics()
         print("TX", st.transfers_done, st.inline_transfers, st.poll_rounds > 0, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx

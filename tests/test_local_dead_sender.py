@@ -18,16 +18,22 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from pddnet._optional import available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_child import FILES
+
 from pddnet.transport.local import detects_dead_peers
 
 UCX = available("ucxx._lib.libucxx")
 ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
-COMMON = """
+COMMON = (
+    """
 import json, os, signal, sys, time, trio, numpy as np
 from pddnet import PddnetError
 from pddnet.kv import ByteRanges
@@ -40,25 +46,9 @@ G = 4096  # guard bands on both sides of the granted region
 NEW = 0x55  # the engine's bytes after it reused the blocks
 K = 16  # pieces (4 layers of 4), several in flight at once
 
-def put(name, text):
-    with open(os.path.join(D, name + ".tmp"), "w") as f:
-        f.write(text)
-    os.rename(os.path.join(D, name + ".tmp"), os.path.join(D, name))
-
-async def get(name, timeout=30.0):
-    with trio.fail_after(timeout):
-        while not os.path.exists(os.path.join(D, name)):
-            await trio.sleep(0.001)
-    with open(os.path.join(D, name)) as f:
-        return f.read()
-
-def finish(fn):
-    try:
-        trio.run(fn)
-    except BaseException:
-        import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-    os._exit(0)
 """
+    + FILES
+)
 
 RECEIVER = (
     COMMON

@@ -12,11 +12,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from pddnet import LocalProtocolError, RemoteProtocolError
 from pddnet._optional import available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_child import RUN_MAIN
 
 UCX = available("ucxx._lib.libucxx")
 ucx = pytest.mark.skipif(not UCX, reason="ucxx is not installed")
@@ -37,7 +41,8 @@ def run_child(code: str, *args: str, timeout: float = 60) -> subprocess.Complete
     )
 
 
-CONFORMANCE = """
+CONFORMANCE = (
+    """
 import os, sys, trio
 from contextlib import asynccontextmanager
 from pddnet.transport.local import UcxReceiver, UcxSender
@@ -53,12 +58,9 @@ async def main():
     ran = await check_transport(maker)
     print("PASSED", " ".join(ran), flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -241,7 +243,8 @@ def test_tls_across_network_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
         tr._parse_address("ucx:1:abcde")  # bad padding
 
 
-MANY_PIECES = """
+MANY_PIECES = (
+    """
 import os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
@@ -267,12 +270,9 @@ async def main():
     assert not dst.reshape(N, 256)[:, 128:].any(), "wrote into a gap"
     print("OK", _transport.K_INLINE_BURST < N, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -285,7 +285,8 @@ def test_many_small_pieces() -> None:
     assert f"PIECES 1000 {128 * 1000}" in r.stdout, r.stdout
 
 
-MANY_TRANSFERS = """
+MANY_TRANSFERS = (
+    """
 import os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
@@ -307,12 +308,9 @@ async def main():
     assert np.array_equal(dst, src), "data differs"
     print("EQUAL", flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx
@@ -328,7 +326,8 @@ def test_done_messages_are_batched() -> None:
     assert 1 <= dones < 200, r.stdout
 
 
-NS_RX = """
+NS_RX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver
@@ -343,14 +342,12 @@ async def main():
         expect = (np.arange(1 << 20) % 251).astype(np.uint8)
         print("RX", np.array_equal(buf, expect), flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
-NS_TX = """
+NS_TX = (
+    """
 import json, os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport import Grant
@@ -364,12 +361,9 @@ async def main():
         await tx.send(Grant(tid, total, (), addr), [src], ranges, timeout=20)
         print("TX OK", flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx

@@ -14,10 +14,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from pddnet._optional import available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ucx_child import RUN_MAIN
 
 UCX = available("ucxx._lib.libucxx")
 ENV = {
@@ -26,7 +30,8 @@ ENV = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
 
-CHILD = """
+CHILD = (
+    """
 import os, random, sys, trio, numpy as np
 import ucxx._lib.libucxx as ucx
 from ucxx._lib.arr import Array
@@ -75,12 +80,9 @@ async def main():
         assert rx.statistics().unexpected_dropped == JUNK
         print("SWEPT", st.unexpected_dropped, st.unexpected_dropped_bytes, flush=True)
 
-try:
-    trio.run(main)
-except BaseException:
-    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
-os._exit(0)
 """
+    + RUN_MAIN
+)
 
 
 @pytest.mark.ucx

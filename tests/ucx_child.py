@@ -1,0 +1,37 @@
+"""Code shared by the child processes of the UCX tests (``python -c SCRIPT``).
+
+A child ends with ``os._exit``: ucxx (like NIXL) can crash in its interpreter-
+exit teardown, which would turn a passing child into a failing one.
+"""
+
+# Run ``main`` and leave with its outcome as the exit status (1 with a traceback).
+RUN_MAIN = """
+try:
+    trio.run(main)
+except BaseException:
+    import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+os._exit(0)
+"""
+
+# Two children that meet through files in the directory D: put(name, text) publishes
+# atomically, await get(name) waits for it; finish(fn) runs fn as RUN_MAIN runs main.
+FILES = """
+def put(name, text):
+    with open(os.path.join(D, name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(D, name + ".tmp"), os.path.join(D, name))
+
+async def get(name, timeout=30.0):
+    with trio.fail_after(timeout):
+        while not os.path.exists(os.path.join(D, name)):
+            await trio.sleep(0.001)
+    with open(os.path.join(D, name)) as f:
+        return f.read()
+
+def finish(fn):
+    try:
+        trio.run(fn)
+    except BaseException:
+        import traceback; traceback.print_exc(); sys.stderr.flush(); os._exit(1)
+    os._exit(0)
+"""
