@@ -15,7 +15,6 @@ from pddnet.wire import (
     FrameKind,
     Hello,
     Ping,
-    ReplayGuard,
     decode_frame,
     decode_tokens,
     encode_frame,
@@ -160,13 +159,6 @@ def test_token_limits() -> None:
         encode_tokens([-1])
 
 
-def test_replay_guard() -> None:
-    g = ReplayGuard(window_s=1.0)
-    now = 10_000_000_000
-    g.check("a", now, now_ns=now)
-    with pytest.raises(AuthError, match="replay"):
-        g.check("a", now, now_ns=now)
-    g.check("b", now, now_ns=now)  # per sender
-    with pytest.raises(AuthError, match="window"):
-        g.check("c", now - 2_000_000_000, now_ns=now)
+def test_tag_size() -> None:
+    # (replay protection is the control node's PathGuard: tests/test_control_paths.py)
     assert K_TAG_SIZE == 16

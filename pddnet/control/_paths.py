@@ -9,7 +9,8 @@ not the path), and the first copy to arrive wins.
 
 :class:`PathGuard` is the receiving side: replay protection per path and
 duplicate suppression across the paths of one sender. For a sender with a
-single path it behaves exactly like :class:`pddnet.wire.ReplayGuard`.
+single path it is a plain replay guard: each frame newer than the last, and
+within the time window.
 """
 
 from __future__ import annotations

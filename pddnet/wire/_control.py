@@ -8,8 +8,9 @@ and ``tag`` is the first 16 bytes of HMAC-SHA256(key, src || 0 || dst || 0 || bo
 Sender and recipient names are bound into the MAC but not sent (the socket
 knows them), so a frame replayed to another node, or claimed by another
 sender, fails authentication. ``seq`` is the sender's nanosecond clock, made
-strictly increasing; the receiver's :class:`ReplayGuard` rejects anything not
-newer than the last frame from that sender, or outside a time window.
+strictly increasing; the receiving node (``pddnet.control``'s ``PathGuard``)
+rejects anything not newer than the last frame from that sender on that
+connection, or outside a time window.
 
 Message types are frozen dataclasses registered with :func:`message`. Their
 field annotations are the schema: ``int``, ``float``, ``bool``, ``str``,
@@ -42,7 +43,6 @@ __all__ = [
     "Frame",
     "FrameKind",
     "Message",
-    "ReplayGuard",
     "SeqClock",
     "decode_frame",
     "encode_frame",
@@ -268,29 +268,6 @@ def decode_frame(
         if not check(value, limits):
             raise RemoteProtocolError(f"{cls.__name__}.{name} violates its schema", peer=src)
     return Frame(FrameKind(kind), seq, corr, cls(*values))
-
-
-class ReplayGuard:
-    """Sans-IO replay protection for one receiving socket.
-
-    Accepts a frame from ``src`` only if its ``seq`` is greater than every
-    earlier accepted one from ``src`` and within ``window_s`` of ``now``
-    (``seq`` is the sender's wall clock in ns, made strictly increasing).
-    """
-
-    def __init__(self, window_s: float = 30.0) -> None:
-        self.window_ns = int(window_s * 1e9)
-        self._last: dict[str, int] = {}
-
-    def check(self, src: str, seq: int, now_ns: int | None = None) -> None:
-        """Raise :class:`AuthError` for a replayed or stale frame, else record it."""
-        now_ns = time.time_ns() if now_ns is None else now_ns
-        last = self._last.get(src, -1)
-        if seq <= last:
-            raise AuthError(f"replayed control frame (seq {seq} <= {last})", peer=src)
-        if abs(seq - now_ns) > self.window_ns:
-            raise AuthError("control frame outside the replay window", peer=src)
-        self._last[src] = seq
 
 
 class SeqClock:
