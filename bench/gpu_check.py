@@ -70,10 +70,6 @@ def out_of_time() -> bool:
     return time.monotonic() - T0 > K_DEADLINE_S
 
 
-def storage(dtype: str) -> Any:
-    return np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
-
-
 def to_f32(a: Any) -> Any:
     return ref.bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 

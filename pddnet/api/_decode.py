@@ -289,7 +289,7 @@ class _DecodeEndpoint(ABC):
         prompt = decode_tokens(msg.prompt, K_MAX_PROMPT)
         if prompt.size == 0:
             raise RemoteProtocolError("empty prompt", peer=peer, request_id=msg.request_id)
-        bs = self.pool.layout.block_size
+        layout = self.pool.layout
         req = _Request(
             msg.request_id,
             prompt,
@@ -304,8 +304,8 @@ class _DecodeEndpoint(ABC):
             self._params_for(msg.deadline_s),
         )
         skip, hit_ids = self._skip(req, prompt)
-        total_blocks = -(-(prompt.size + msg.max_tokens) // bs)
-        prompt_blocks = -(-prompt.size // bs)
+        total_blocks = layout.blocks_for_tokens(prompt.size + msg.max_tokens)
+        prompt_blocks = layout.blocks_for_tokens(prompt.size)
         try:
             owned = self._allocate(total_blocks - skip)
         except PddnetError:

@@ -316,9 +316,8 @@ class PrefillEndpoint:
                 f"{len(self._reqs)} requests in flight (max_requests={self.max_requests})",
                 request_id=request_id,
             )
-        bs = self.pool.layout.block_size
         prompt_arr = np.asarray(prompt, dtype=np.int64)
-        nblocks = -(-prompt_arr.size // bs)
+        nblocks = self.pool.layout.blocks_for_tokens(prompt_arr.size)
         if len(block_ids) < nblocks:
             raise LocalProtocolError(
                 f"{len(block_ids)} blocks cannot hold a {prompt_arr.size}-token prompt",

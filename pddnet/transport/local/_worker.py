@@ -177,7 +177,6 @@ class UcxWorker:
         self.spin_s = spin_us * 1e-6
         self._pending: dict[int, tuple[Any, Any, Callback, bool, bool]] = {}
         self._queues: dict[int, deque[int]] = {}
-        self._dormant: dict[int, deque[int]] = {}
         self._dirty = False
         self._after: list[Callable[[], None]] = []
         self._deferred: list[Callable[[], None]] = []
@@ -262,25 +261,10 @@ class UcxWorker:
         arr = self.array(buf)
         return self._watch(self.worker.tag_recv(arr, self.tag(tag)), arr, cb, spin, False, queue)
 
-    def new_queue(self, *, dormant: bool = False) -> int:
-        """A fresh queue id for :meth:`send` / :meth:`recv`.
-
-        A *dormant* queue is polled only on the fallback tick until
-        :meth:`activate` (a receiver's pre-posted pieces stay dormant until the
-        sender's START arrives, which UCX matches before the sender's data).
-        """
+    def new_queue(self) -> int:
+        """A fresh queue id for :meth:`send` / :meth:`recv`."""
         self._next += 1
-        if dormant:
-            self._dormant[-self._next] = deque()
         return -self._next
-
-    def activate(self, queue: int) -> None:
-        """Poll ``queue`` on every round from now on."""
-        q = self._dormant.pop(queue, None)
-        if q is not None:
-            if q:
-                self._queues[queue] = q
-            self._dirty = True
 
     def cancel(self, handles: list[int]) -> list[int]:
         """Cancel posted requests and keep watching those UCX could not cancel.
@@ -362,11 +346,7 @@ class UcxWorker:
     def _watch(self, req: Any, arr: Any, cb: Callback, spin: bool, send: bool, queue: int) -> int:
         self._next += 1
         self._pending[self._next] = (req, arr, cb, spin, send)
-        key = queue or self._next
-        q = self._dormant.get(key)
-        if q is None:
-            q = self._queues.setdefault(key, deque())
-        q.append(self._next)
+        self._queues.setdefault(queue or self._next, deque()).append(self._next)
         self._dirty = True
         self._spinners += spin
         self._sends += send
@@ -374,7 +354,7 @@ class UcxWorker:
             self._sleep.cancel()  # the loop must progress the new request
         return self._next
 
-    def _reap(self, full: bool = False) -> None:
+    def _reap(self) -> None:
         # Only queue heads are polled: a piece that completes before an earlier
         # one of its transfer is noticed with it. A transfer completes only when
         # all its pieces have, so nothing waits longer, and a receiver with
@@ -382,18 +362,18 @@ class UcxWorker:
         # (scanning every request made 4 KiB transfers cost 1.1 ms here).
         done: list[int] = []
         pending = self._pending
-        for queues in (self._queues, self._dormant) if full else (self._queues,):
-            for key, q in list(queues.items()):
-                while q:
-                    entry = pending.get(q[0])
-                    if entry is None:  # forgotten
-                        q.popleft()
-                        continue
-                    if not entry[0].completed:
-                        break
-                    done.append(q.popleft())
-                if not q and queues is self._queues:
-                    del queues[key]
+        queues = self._queues
+        for key, q in list(queues.items()):
+            while q:
+                entry = pending.get(q[0])
+                if entry is None:  # forgotten
+                    q.popleft()
+                    continue
+                if not entry[0].completed:
+                    break
+                done.append(q.popleft())
+            if not q:
+                del queues[key]
         self.completions += len(done)
         for h in done:
             entry = self._pending.pop(h, None)
@@ -408,7 +388,7 @@ class UcxWorker:
             except Exception as exc:
                 err = exc
             cb(req, err)
-        if self._dirty and not full:  # a callback activated a queue
+        if self._dirty:  # a callback posted new requests: they may be done already
             self._dirty = False
             self._reap()
 
@@ -521,7 +501,7 @@ class UcxWorker:
             completed = self.completions
             if made or self._dirty or woke_by_tick:
                 self._dirty = False
-                self._reap(full=woke_by_tick)
+                self._reap()
                 self._run_after()
                 self._run_deferred()
             woke_by_tick = False
@@ -571,5 +551,4 @@ class UcxWorker:
         self._after.clear()
         self._pending.clear()
         self._queues.clear()
-        self._dormant.clear()
         self._spinners = self._sends = 0

@@ -320,9 +320,6 @@ class Scheduler:
         ch.sent_at = sent_at  # age counts from the first copy
         return ch
 
-    def on_sent(self, chunk: Chunk, stream: int, now: float) -> None:
-        """The chunk's last byte was handed to the socket (starts the ack clock)."""
-
     def on_ack(self, stream: int, transfer_id: int, lo: int, hi: int, now: float) -> bool:
         """The receiver verified ``[lo, hi)``. Returns False for an ack matching nothing."""
         tx = self._txs.get(transfer_id)
@@ -372,11 +369,6 @@ class Scheduler:
                         tx.retry.appendleft(ch)
                         n += 1
         return n
-
-    def inflight_on(self, stream: int) -> int:
-        return sum(
-            1 for tx in self._txs.values() for ch in tx.inflight.values() if stream in ch.streams
-        )
 
     # -- timers and events -----------------------------------------------------
 
