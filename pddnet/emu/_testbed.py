@@ -329,23 +329,7 @@ class Testbed:
         for hname in ("dc-a-p", "dc-a-rld"):
             host = self.hosts[hname]
             port = f"v-{_ROLE[hname]}"
-            ip(
-                "link",
-                "add",
-                port,
-                "mtu",
-                mtu,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "mtu",
-                mtu,
-                "netns",
-                host.netns,
-                ns=ra,
-            )
+            _veth(port, "eth0", host.netns, mtu, ns=ra)
             ip("link", "set", port, "master", "br0", "up", ns=ra)
             ip("addr", "add", f"{host.addr}/24", "dev", "eth0", ns=host.netns)
             ip("link", "set", "eth0", "up", ns=host.netns)
@@ -354,23 +338,7 @@ class Testbed:
         ip("link", "set", "br0", "mtu", mtu, "up", ns=ra)
         # DC-B: one veth rb <-> md.
         md = self.md
-        ip(
-            "link",
-            "add",
-            "v-md",
-            "mtu",
-            mtu,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "mtu",
-            mtu,
-            "netns",
-            md.netns,
-            ns=rb,
-        )
+        _veth("v-md", "eth0", md.netns, mtu, ns=rb)
         ip("addr", "add", "10.99.2.1/24", "dev", "v-md", ns=rb)
         ip("link", "set", "v-md", "up", ns=rb)
         ip("addr", "add", f"{md.addr}/24", "dev", "eth0", ns=md.netns)
@@ -378,23 +346,7 @@ class Testbed:
         ip("route", "add", "default", "via", "10.99.2.1", ns=md.netns)
         # WAN.
         if self.backend == "netem":
-            ip(
-                "link",
-                "add",
-                _WAN_DEV,
-                "mtu",
-                mtu,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                _WAN_DEV,
-                "mtu",
-                mtu,
-                "netns",
-                rb,
-                ns=ra,
-            )
+            _veth(_WAN_DEV, _WAN_DEV, rb, mtu, ns=ra)
             for ns, mine, link in ((ra, _WAN_A, spec.a_to_b), (rb, _WAN_B, spec.b_to_a)):
                 ip("addr", "add", f"{mine}/30", "dev", _WAN_DEV, ns=ns)
                 ip("link", "set", _WAN_DEV, "up", ns=ns)
@@ -548,6 +500,12 @@ class Testbed:
             name: Host(name, h["netns"], h["addr"], tb) for name, h in state["hosts"].items()
         }
         return tb
+
+
+def _veth(name: str, peer: str, peer_ns: str, mtu: str, *, ns: str) -> None:
+    """A veth pair in ``ns``: ``name`` stays there, ``peer`` moves into ``peer_ns``."""
+    args = ["link", "add", name, "mtu", mtu, "type", "veth"]
+    ip(*args, "peer", "name", peer, "mtu", mtu, "netns", peer_ns, ns=ns)
 
 
 def _workdir_base() -> str:
