@@ -170,7 +170,7 @@ class TokenSink:
         self._stats = dict.fromkeys(SinkStatistics.__dataclass_fields__, 0)
         if route:
             node.route(Emitted, self.on_emitted)
-            node.route(Abort, self._on_abort)
+            node.route(Abort, self.on_abort)
 
     async def __aenter__(self) -> TokenSink:
         self._cm = trio.open_nursery()
@@ -255,17 +255,12 @@ class TokenSink:
             stream._deliver(out, now)
         self._kick(stream)
 
-    def on_abort(self, peer: str, msg: Abort) -> bool:
-        """``Abort`` handler; True if the request was one of our streams."""
+    def on_abort(self, peer: str, msg: Abort) -> None:
+        """``Abort`` handler (route it here, or call it from yours)."""
         stream = self._streams.get(msg.request_id)
-        if stream is None:
-            return False
-        stream._asm.abort(msg.reason, peer)
-        self._kick(stream)
-        return True
-
-    def _on_abort(self, peer: str, msg: Abort) -> None:
-        self.on_abort(peer, msg)
+        if stream is not None:
+            stream._asm.abort(msg.reason, peer)
+            self._kick(stream)
 
     # -------------------------------------------------------------- driving
     def _kick(self, stream: TokenStream) -> None:
