@@ -18,7 +18,8 @@ a typed error (``RequestAborted``, ``PeerUnavailable``, ``TransferTimeout``,
 or a typed exception from ``submit``) by its deadline. After the episode P's
 lease table must be empty, P's pool back to its baseline, and each surviving
 decoder idle with every block either free or in MD's radix cache. The
-summary counts ``completed``, ``typed_errors``,
+summary counts ``completed``, ``typed_errors`` (``deadline_timeouts`` of them
+ended by the sink at the deadline: typed, but possibly a stuck decoder),
 ``lost`` (no outcome recorded), ``hung`` (the stream had not ended 1 s after
 the deadline, or a decoder was still busy after settling; ``hung_error_at_p``
 of them did give P's engine a typed error in time, as ``BlocksReleased.error``),
@@ -386,6 +387,8 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     out["unaccounted"] = unaccounted
     out["errors"] = reasons
     out["error_examples"] = examples
+    # a stream the sink ended at its deadline is typed, but may hide a stuck decoder
+    out["deadline_timeouts"] = reasons.get("TransferTimeout", 0)
     growth = [p["rss_growth_kb"]] if p is not None else []
     for role, doc in (ep.get("decoders") or {}).items():
         first = (ep.get("decoders_start") or {}).get(role)
@@ -520,6 +523,7 @@ def main(args: argparse.Namespace) -> int:
         "duplicate_position",
         "leaked_blocks",
         "crashed",
+        "deadline_timeouts",
         "sink_rounds",
         "sink_duplicates",
     )
