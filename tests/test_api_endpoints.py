@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import trio
@@ -19,6 +22,9 @@ from pddnet.bench.faults import reference  # single-instance greedy decoding
 from pddnet.control import ControlNode
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
+
+sys.path.insert(0, str(Path(__file__).parent))
+from api_wiring import wire
 
 KEY = b"an-api-test-secret-0123456789abcdef"
 NB = 512
@@ -51,12 +57,7 @@ async def test_both_routes_match_greedy_and_release_everything() -> None:
     ):
         user.route(Emitted, sink.on_emit)
         user.route(Abort, sink.on_abort)
-        for ep in (rld, md):
-            await p.connect_peer(ep.info())
-            await ep.connect_peer(p.info())
-            await ep.node.connect("user", user.address)
-        await rld.connect_peer(md.info())
-        await md.connect_peer(rld.info())
+        await wire(p, rld, md, user)
         rng = np.random.default_rng(1)
         base = rng.integers(0, TINY.vocab_size, 150).tolist()
         cases = []
@@ -254,12 +255,7 @@ async def test_strange_traffic_cuts_off_or_feeds_the_cache(keep: bool) -> None:
     ):
         user.route(Emitted, sink.on_emit)
         user.route(Abort, sink.on_abort)
-        for ep in (rld, md):
-            await p.connect_peer(ep.info())
-            await ep.connect_peer(p.info())
-            await ep.node.connect("user", user.address)
-        await rld.connect_peer(md.info())
-        await md.connect_peer(rld.info())
+        await wire(p, rld, md, user)
         prompt = np.random.default_rng(2).integers(0, TINY.vocab_size, 1000).tolist()
         seq = pm.new_sequence()
         pm.reserve(seq, len(prompt))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,9 @@ from pddnet.bench.faults import reference  # single-instance greedy decoding
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
 from pddnet.transport.wan import WanReceiver
+
+sys.path.insert(0, str(Path(__file__).parent))
+from api_wiring import wire
 
 KEY = b"a-sink-test-secret-0123456789abcdef"
 NB = 256
@@ -83,11 +88,7 @@ async def test_lost_tokens_are_resent_and_the_stream_is_exact() -> None:
         MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.002) as md,
     ):
         p.sink.poll_interval_s = 0.3
-        for ep in (rld, md):
-            await p.connect_peer(ep.info())
-            await ep.connect_peer(p.info())
-        await rld.connect_peer(md.info())
-        await md.connect_peer(rld.info())
+        await wire(p, rld, md)
         n = 30
         # RLD loses its first token, MD a middle one and the final one (a tail
         # loss nobody would notice without the sink's silence rule)
