@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
@@ -11,6 +12,9 @@ import trio
 from pddnet.transport import Receiver, Sender
 from pddnet.transport.testing import CHECKS, check_transport
 from pddnet.transport.wan import WanReceiver, WanSender
+from pddnet.transport.wan._io import EndOfStream, FrameReader
+from pddnet.transport.wan._sender import K_DEFAULT_NOTSENT_LOWAT, K_FAST_NOTSENT_LOWAT
+from pddnet.transport.wan._sockopts import K_TCP_NOTSENT_LOWAT
 
 
 def wan_maker(**kw: object):  # type: ignore[no-untyped-def]
@@ -326,6 +330,9 @@ async def test_chunk_size_follows_the_path_on_loopback() -> None:
     async with WanReceiver() as rx, WanSender(rx.address, streams=2) as tx:
         await tx.wait_connected()
         assert tx.statistics().chunk_size > 1 << 20
+        # the bulk streams' unsent low-water mark rises with the chunk; the express one's stays
+        lowat = [_notsent_lowat(s.sock) for s in tx._streams]
+        assert lowat == [K_FAST_NOTSENT_LOWAT] * 2 + [K_DEFAULT_NOTSENT_LOWAT]
         grant = rx.grant(case.dst, case.dst_ranges)
         with trio.fail_after(20):
             await tx.send(grant, case.src, case.src_ranges)
@@ -336,6 +343,35 @@ async def test_chunk_size_follows_the_path_on_loopback() -> None:
         await tx.wait_connected()
         await trio.sleep(0.15)  # a sampling period: a fixed size stays fixed
         assert tx.statistics().chunk_size == 256 << 10
+        assert {_notsent_lowat(s.sock) for s in tx._streams} == {K_DEFAULT_NOTSENT_LOWAT}
+
+
+def _notsent_lowat(sock: socket.socket) -> int:
+    return int(sock.getsockopt(socket.IPPROTO_TCP, K_TCP_NOTSENT_LOWAT))
+
+
+async def test_frame_reader_serves_split_and_batched_frames() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    frames = [bytes([i % 251]) * 40 for i in range(300)]  # more than the reader's buffer holds
+    wire = b"".join(frames)
+    reader = FrameReader(a, 40, frames=4)
+    got: list[bytes] = []
+
+    async def write() -> None:
+        for lo, hi in [(0, 7), (7, 40), (40, 200), (200, 2000), (2000, len(wire) - 13)]:
+            b.sendall(wire[lo:hi])
+            await trio.sleep(0.001)
+        b.sendall(wire[len(wire) - 13 : -3])  # the last frame stops 3 bytes short
+        b.close()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(write)
+        with pytest.raises(EndOfStream), trio.fail_after(5):
+            while True:
+                got.append(bytes(await reader.read()))
+    assert got == frames[:-1]
+    a.close()
 
 
 async def test_padding_is_dropped_and_bounded() -> None:

@@ -9,7 +9,13 @@ from typing import Any
 
 from ._pacer import TcpSample
 
-__all__ = ["K_SO_MAX_PACING_RATE", "read_tcp_info", "set_pacing_rate", "tune_socket"]
+__all__ = [
+    "K_SO_MAX_PACING_RATE",
+    "read_tcp_info",
+    "set_notsent_lowat",
+    "set_pacing_rate",
+    "tune_socket",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ def tune_socket(
     if sender and notsent_lowat:
         # Writable only when little is unsent: keeps the queue in the socket short, so
         # a high-priority chunk is not stuck behind megabytes of bulk in a send buffer.
-        sock.setsockopt(socket.IPPROTO_TCP, K_TCP_NOTSENT_LOWAT, notsent_lowat)
+        set_notsent_lowat(sock, notsent_lowat)
     if congestion:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, K_TCP_CONGESTION, congestion.encode())
@@ -75,6 +81,11 @@ def tune_socket(
         return bytes(cc).split(b"\0", 1)[0].decode()
     except OSError:
         return ""
+
+
+def set_notsent_lowat(sock: Any, lowat: int) -> None:
+    """``TCP_NOTSENT_LOWAT``: writable only while fewer unsent bytes are queued."""
+    sock.setsockopt(socket.IPPROTO_TCP, K_TCP_NOTSENT_LOWAT, lowat)
 
 
 def set_pacing_rate(sock: Any, rate: float | None) -> None:
