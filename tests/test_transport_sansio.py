@@ -470,3 +470,56 @@ def test_path_chunk_size_grows_only_on_short_clean_fast_paths() -> None:
     assert size([sample(100e-6, 15e6)] * 8) == mib  # short but slow: 30 KB per 2 ms
     assert size([sample(100e-6, 1.2e9)] * 8) == 2 * mib  # 2.4 MB per 2 ms
     assert size([sample(20e-6, 10e9, min_rtt=0.0)] * 8) == 4 * mib  # no min_rtt: the rtt
+
+
+def _startup(
+    p: AdaptivePacer, rtts: list[float], *, floor: float = 0.030, growth: float = 1.5
+) -> list[PacingDecision]:
+    """Four streams sampled every 10 ms from their first bytes; ``rtts`` is the
+    smoothed RTT per sample; the delivery rate grows ``growth`` x per sample (as
+    in STARTUP) from 5 % of RATE up to RATE."""
+    out = []
+    for k, rtt in enumerate(rtts):
+        now = 0.01 * k
+        rate = RATE * min(1.0, 0.05 * growth**k)
+        for i in range(4):
+            p.on_sample(TcpSample(i, rtt, floor, rate / 4, 1 + k * 1000, 0), now)
+        out.append(p.decide(now))
+    return out
+
+
+def test_startup_drain_paces_under_the_path_until_the_queue_is_gone_then_holds() -> None:
+    p = AdaptivePacer(max_streams=4)
+    assert p.sample_interval() == p.startup_interval  # sampled fast until it is over
+    ramp = [0.030] * 12  # flows ramping up, no queue yet
+    queue = [0.033, 0.040, 0.050, 0.060, 0.060, 0.050]  # STARTUP overshoot
+    ds = _startup(p, ramp + queue)
+    assert all(d.rate_per_stream is None for d in ds[:13])  # 33 ms: within the 5 ms slack
+    assert [_aggregate(d) for d in ds[13:]] == pytest.approx([0.5 * RATE] * 5)
+    # the queue drains: hold 0.95 x the peak for 10 RTTs, then back to the usual rules
+    hold = _startup(p, [0.031] * 35)
+    held = [_aggregate(d) for d in hold]
+    assert held[:30] == pytest.approx([0.95 * RATE] * 30)
+    assert held[-1] == np.inf and p.sample_interval() is None
+
+
+def test_startup_drain_only_on_long_paths_and_only_at_startup() -> None:
+    lan = AdaptivePacer(max_streams=4)
+    ds = _startup(lan, [0.0002] * 5 + [0.008] * 10, floor=0.0002)
+    assert all(d.rate_per_stream is None for d in ds)  # a 0.2 ms path: nothing to drain
+    late = AdaptivePacer(max_streams=4, startup_window=0.1)
+    ds = _startup(late, [0.030] * 20 + [0.060] * 5)
+    assert all(d.rate_per_stream is None for d in ds[20:])  # past the window: the usual rules
+    # a jittered path: the RTT is up while the flows are still far below the path
+    jitter = AdaptivePacer(max_streams=4)
+    ds = _startup(jitter, [0.035, 0.046, 0.041, 0.044, 0.048, 0.043] * 3, growth=1.15)
+    assert all(d.rate_per_stream is None for d in ds)
+
+
+def test_queueing_cut_puts_what_the_streams_may_send_under_the_path() -> None:
+    # each stream may take slack x its share: the cut is on that sum, or a
+    # standing queue survives it (it did, at 1.19 x the path)
+    p = AdaptivePacer(max_streams=4, startup_window=0.0)
+    ds = _trace(p, [0.030] * 3 + [0.060] * 3)
+    assert ds[-1].rate_per_stream is not None
+    assert _aggregate(ds[-1]) == pytest.approx(p.backoff * RATE)  # was 1.19 x RATE

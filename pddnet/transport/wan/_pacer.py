@@ -34,9 +34,10 @@ Built in:
       leaves the rate alone: cutting it is exactly what makes cubic slow on
       lossy WAN paths.
 
-    On queueing the aggregate target drops to ``backoff`` (0.95) times the
-    bottleneck estimate (the windowed maximum of the summed delivery rates),
-    so the standing queue drains while the link stays nearly full; on a loss
+    On queueing what the streams may send together (the target times the
+    per-stream ``slack`` below) drops to ``backoff`` (0.95) times the bottleneck
+    estimate (the windowed maximum of the summed delivery rates), so the
+    standing queue drains while the link stays nearly full; on a loss
     storm to ``storm_backoff`` (0.8) times it, but not below ``min_fraction``
     (0.7) of the 10 s maximum (no downward spiral when losses continue whatever
     the rate); never below ``floor``. After ``calm_periods`` clean periods
@@ -52,6 +53,24 @@ Built in:
     ("Paced below the path": the allowed aggregate, ``slack`` x target, is
     under 0.9 of the 10 s maximum delivery rate. A queue that persists while
     the pacing does not bind is ours and stays cut, as before.)
+
+    **Startup drain.** A fresh sender's streams (eight BBR flows in STARTUP, each
+    at 2.89x its share) overshoot together and leave a bottleneck queue of about
+    one RTT, which every urgent chunk must cross (docs/wan.md, "Startup drain").
+    For the first ``startup_window`` (2 s) of sending the pacer is asked every
+    ``startup_interval`` (10 ms). The reference RTT is the median of the median
+    smoothed RTTs seen so far in startup. The moment the median smoothed RTT
+    exceeds it by ``max(queue_slack, startup_tolerance x ref)`` while the summed
+    delivery rate has stopped growing (under ``plateau_growth`` x what it was
+    one reference RTT earlier: the path is full), it paces the aggregate at
+    ``drain_gain`` (0.5) x the peak delivery rate of the last 100 ms until the
+    RTT is back within ``max(2 ms, 5 %)`` of the reference (at most
+    ``max_drain_rtts`` reference RTTs), holds ``backoff`` x that peak for
+    ``hold_rtts`` (10) reference RTTs so the flows leave STARTUP, then hands
+    over to the rules above, started afresh (the overshoot's losses and RTTs
+    are not theirs to react to; their RTT floor starts at the reference).
+    Once only; not on paths whose reference RTT is under ``startup_min_rtt``
+    (1 ms).
 
     Each stream gets ``slack`` (1.25) times its even share of the target: a
     stream in loss recovery cannot use its share and the others take it up
@@ -123,6 +142,10 @@ class Pacer(ABC):
     def decide(self, now: float) -> PacingDecision:
         """The pacing to apply from now on."""
 
+    def sample_interval(self) -> float | None:
+        """How soon the driver should sample and decide again; None: its default."""
+        return None
+
 
 _REGISTRY: dict[str, Callable[..., Pacer]] = {}
 
@@ -185,9 +208,32 @@ class AdaptivePacer(Pacer):
         slack: float = 1.25,
         warmup: float = 1.0,
         stuck_periods: int = 10,
+        startup_window: float = 2.0,
+        startup_interval: float = 0.01,
+        startup_tolerance: float = 0.15,
+        startup_min_rtt: float = 1e-3,
+        drain_gain: float = 0.5,
+        max_drain_rtts: float = 4.0,
+        hold_rtts: float = 10.0,
+        plateau_growth: float = 1.25,
         **kw: Any,
     ) -> None:
         super().__init__(max_streams=max_streams, rate_cap=rate_cap)
+        self.startup_window = startup_window
+        self.startup_interval = startup_interval
+        self.startup_tolerance = startup_tolerance
+        self.startup_min_rtt = startup_min_rtt
+        self.drain_gain = drain_gain
+        self.max_drain_rtts = max_drain_rtts
+        self.hold_rtts = hold_rtts
+        self.plateau_growth = plateau_growth
+        self._phase = "startup"  # -> ("drain" -> "hold" -> "handover" ->) "steady"
+        self._sending_since: float | None = None
+        self._ramp_rtts: list[float] = []
+        self._ref_rtt = 0.0
+        self._recent: deque[tuple[float, float]] = deque()  # (time, delivered), last 2 RTTs
+        self._drain_at = 0.0
+        self._drain_rate = 0.0
         self.period = period
         self.queue_tolerance = queue_tolerance
         self.queue_slack = queue_slack
@@ -242,7 +288,83 @@ class AdaptivePacer(Pacer):
                 out.append(s)
         return out
 
+    def sample_interval(self) -> float | None:
+        return None if self._phase == "steady" else self.startup_interval
+
     def decide(self, now: float) -> PacingDecision:
+        if self._phase != "steady":
+            drain = self._startup(now)
+            if drain is not None:
+                return drain  # the rules below wait: what they would see is the drain's
+            if self._phase == "handover":
+                # start them afresh: no loss ratio or target from the overshoot
+                self._phase = "steady"
+                self._prev = dict(self._latest)
+                self._last_decision_at = now
+                # the RTT floor restarts at the reference measured under load: a
+                # floor from the idle handshake sits under a jittered path's every
+                # smoothed RTT, and the cuts it causes now bind (see queueing)
+                self._srtts = [(now, self._ref_rtt)]
+                self.target = self.rate_cap
+                self._decision = PacingDecision(self._per_stream(self.target), self.max_streams)
+                return self._decision
+        return self._decide(now)
+
+    def _startup(self, now: float) -> PacingDecision | None:
+        """The startup drain (see the module docstring): its pacing, or None."""
+        samples = list(self._latest.values())
+        if self._sending_since is None:
+            if not any(s.bytes_sent for s in samples):
+                return None
+            self._sending_since = now
+        rtts = [s.rtt for s in samples if s.rtt > 0]
+        if not rtts:
+            return None
+        srtt = statistics.median(rtts)
+        delivered = sum(s.delivery_rate for s in samples)
+        self._recent.append((now, delivered))
+        while now - self._recent[0][0] > max(0.1, 2 * self._ref_rtt):
+            self._recent.popleft()
+        if self._phase == "startup":
+            # the reference: the median RTT while the flows ramp up (not the
+            # minimum: on a jittered path every smoothed RTT carries the jitter)
+            self._ramp_rtts.append(srtt)
+            ref = self._ref_rtt = statistics.median(self._ramp_rtts)
+            if ref < self.startup_min_rtt or now - self._sending_since > self.startup_window:
+                self._phase = "steady"
+                return None
+            if srtt <= ref + max(self.queue_slack, self.startup_tolerance * ref):
+                return None
+            # a queue of ours only once the path is full: the delivery rate has
+            # stopped growing over the last RTT (a jittered path shows "queueing"
+            # while the flows are still far below it; draining then starved them)
+            before = [d for t, d in self._recent if t <= now - ref]
+            if not before or delivered > self.plateau_growth * max(before):
+                return None
+            self._phase, self._drain_at = "drain", now
+            peak = max(d for t, d in self._recent if t > now - 0.1)
+            self._drain_rate = max(self.drain_gain * peak, self.floor)
+            self.history.append((now, self._drain_rate, srtt, ref, delivered, "drain"))
+        ref = self._ref_rtt
+        if self._phase == "drain":
+            drained = srtt <= ref + max(0.002, 0.05 * ref)
+            if drained or now - self._drain_at > self.max_drain_rtts * ref:
+                # hold just under the path until the flows have left STARTUP: let
+                # go at once and they overshoot again (measured: the queue was
+                # back within 3 RTTs)
+                self._phase, self._drain_at = "hold", now
+                self._drain_rate = self.backoff * self._drain_rate / self.drain_gain
+                self.history.append((now, self._drain_rate, srtt, ref, delivered, "drained"))
+        elif now - self._drain_at > self.hold_rtts * ref:
+            self._phase = "handover"
+            self.history.append((now, self.rate_cap, srtt, ref, delivered, "held"))
+            return None
+        rate = self._drain_rate / self.max_streams
+        if self.rate_cap is not None:
+            rate = min(rate, self.rate_cap / self.max_streams)
+        return PacingDecision(rate, self.max_streams)
+
+    def _decide(self, now: float) -> PacingDecision:
         if self._last_decision_at is not None and now - self._last_decision_at < self.period:
             return self._decision
         self._last_decision_at = now
@@ -299,7 +421,11 @@ class AdaptivePacer(Pacer):
                 # RTT behind a drop-tail queue). The long-window maximum bounds it.
                 cut = max(self.storm_backoff * bw, self.min_fraction * bw_long)
             else:
-                cut = self.backoff * bw
+                # what the streams may send together (target x slack) goes under
+                # the bottleneck: with the slack on top, a cut to backoff x bw still
+                # allowed 1.19x the path, and a standing queue of one RTT (eight
+                # BBR flows' 2 x BDP in flight) never drained (docs/wan.md)
+                cut = self.backoff * bw / self.slack
             cut = max(cut, self.floor)
             self.target = cut if self.target is None else min(self.target, cut)
             self._calm = 0

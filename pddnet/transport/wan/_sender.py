@@ -590,7 +590,7 @@ class WanSender(Sender):
 
     async def _sample_loop(self) -> None:
         while True:
-            await trio.sleep(K_SAMPLE_PERIOD)
+            await trio.sleep(self._pacer.sample_interval() or K_SAMPLE_PERIOD)
             now = trio.current_time()
             for s in self._streams:
                 if s.up and s.sock is not None:
