@@ -31,6 +31,7 @@ from ._messages import (
     StreamAck,
     StreamResend,
     StreamStatus,
+    StreamTakeover,
 )
 from ._prefill import BlocksReleased, PrefillEndpoint, PrefillStatistics, Submission
 from ._sink import SinkStatistics, StreamToken, TokenSink, TokenStream
@@ -66,6 +67,7 @@ __all__ = [
     "StreamReport",
     "StreamResend",
     "StreamStatus",
+    "StreamTakeover",
     "StreamToken",
     "Submission",
     "SyncEndpoint",

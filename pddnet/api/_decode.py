@@ -38,9 +38,11 @@ import trio
 from .._errors import (
     LocalProtocolError,
     PddnetError,
+    PeerUnavailable,
     RemoteProtocolError,
     ResourceLimitError,
     TransferCancelled,
+    TransferTimeout,
 )
 from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
 from ..control import ControlNode, TcpTuning
@@ -74,6 +76,7 @@ from ._messages import (
     StreamAck,
     StreamResend,
     StreamStatus,
+    StreamTakeover,
 )
 from ._stream import SourceState
 
@@ -106,6 +109,7 @@ class DecodeStatistics:
     blocks_received: int
     blocks_cached_hit: int
     free_blocks: int
+    takeover_reports: int = 0  # (MD) sink reports of a lost RLD acted on (RLD unreachable here too)
 
 
 @dataclass
@@ -130,6 +134,7 @@ class _Request:
     next_pos: int = 0
     finish_pos: int = -1
     emitted: int = 0
+    reported_at: int = -1  # (MD) the user position of the last takeover report acted on
 
 
 @dataclass
@@ -656,6 +661,9 @@ class MainEndpoint(_DecodeEndpoint):
             prompt instead of cancelling it. Right for multi-turn sessions,
             whose next turn starts with this prompt; pair it with
             ``RelayEndpoint(cut_off_wan=False)``.
+        takeover_confirm_s: when the request's sink reports that RLD stopped
+            answering (``StreamTakeover``), MD pings RLD with this timeout and
+            acts on the report only if RLD does not answer.
     """
 
     role = "main"
@@ -666,10 +674,13 @@ class MainEndpoint(_DecodeEndpoint):
         cache: RadixCache | None = None,
         cache_lease_s: float = 60.0,
         keep_strange_traffic: bool = False,
+        takeover_confirm_s: float = 0.5,
         **kw: Any,
     ) -> None:
         super().__init__(*args, **kw)
         self.keep_strange_traffic = keep_strange_traffic
+        self.takeover_confirm_s = takeover_confirm_s
+        self._suspecting: set[int] = set()  # requests whose takeover report is being confirmed
         self.cache = cache or RadixCache(self.pool.layout.block_size)
         self.drc = CacheServer(self.cache, lease_s=cache_lease_s)
         self._subscribers: set[str] = set()
@@ -677,7 +688,82 @@ class MainEndpoint(_DecodeEndpoint):
     async def __aenter__(self) -> MainEndpoint:
         await super().__aenter__()
         self.node.route(DrcSnapshotRequest, self._on_snapshot_request)
+        self.node.route(StreamTakeover, self._on_takeover)
         return self
+
+    def _on_takeover(self, peer: str, msg: StreamTakeover) -> StreamStatus:
+        """The sink lost RLD mid-stream: confirm it and take over at the user's position.
+
+        Answers at once with MD's stream status; the confirmation (a ping to
+        RLD) and the takeover run in the background, and the handoff machine
+        takes over only where that is exact (``PeerFailed.takeover_only``).
+
+        Raises:
+            RemoteProtocolError: the report is not from the request's sink, the
+                request has no relay, or the position and tokens are malformed.
+        """
+        rid = msg.request_id
+        req, kept = self._reqs.get(rid), self._emitted.get(rid)
+        if req is None or kept is None:
+            return StreamStatus(rid, int(SourceState.UNKNOWN), -1, -1)
+        if peer != req.sink:
+            raise RemoteProtocolError(
+                f"takeover report from {peer}, not the sink", peer=peer, request_id=rid
+            )
+        if not req.relay:
+            raise RemoteProtocolError("takeover report for a request without RLD", request_id=rid)
+        if not 0 <= msg.position < req.max_tokens:
+            raise RemoteProtocolError(
+                f"takeover at {msg.position} outside 0..{req.max_tokens - 1}", request_id=rid
+            )
+        tokens = decode_tokens(msg.tokens, req.max_tokens)
+        if tokens.size != msg.position:
+            raise RemoteProtocolError(
+                f"takeover at {msg.position} with {tokens.size} tokens", request_id=rid
+            )
+        if (
+            kept.first < 0
+            and req.driver is not None
+            and req.reported_at != msg.position
+            and rid not in self._suspecting
+        ):
+            self._suspecting.add(rid)
+            assert self._nursery is not None
+            self._nursery.start_soon(
+                self._confirm_takeover, req, msg.position, tuple(tokens.tolist())
+            )
+        return StreamStatus(rid, int(kept.state), kept.first, kept.last, kept.detail)
+
+    async def _confirm_takeover(
+        self, req: _Request, position: int, tokens: tuple[int, ...]
+    ) -> None:
+        try:
+            try:
+                await self.node.ping(req.relay, timeout=self.takeover_confirm_s)
+            except (TransferTimeout, PeerUnavailable):
+                pass  # unreachable from here too
+            except PddnetError:
+                return  # it answered (with an error), or we are closing
+            else:
+                log.info(
+                    "%s: sink lost %s for %s, but it answers us: report ignored",
+                    self.name,
+                    req.relay,
+                    req.rid,
+                )
+                return
+            if self._reqs.get(req.rid) is req and self.hub.suspect_peer(req.rid, position, tokens):
+                req.reported_at = position
+                self._stats["takeover_reports"] += 1
+                log.info(
+                    "%s: %s unreachable for %s: take over at user position %d if exact",
+                    self.name,
+                    req.relay,
+                    req.rid,
+                    position,
+                )
+        finally:
+            self._suspecting.discard(req.rid)
 
     async def _on_snapshot_request(self, peer: str, msg: DrcSnapshotRequest) -> Message:
         """P subscribes to cache events; the snapshot goes as events, in order."""

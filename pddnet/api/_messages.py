@@ -19,6 +19,7 @@ __all__ = [
     "StreamAck",
     "StreamResend",
     "StreamStatus",
+    "StreamTakeover",
 ]
 
 
@@ -161,3 +162,21 @@ class StreamAck(Message):
     """The sink to a decoder: the whole stream arrived; forget its tokens."""
 
     request_id: int
+
+
+@message(79)
+class StreamTakeover(Message):
+    """The sink to MD (a request, answered with :class:`StreamStatus`): RLD
+    stopped answering the sink's rounds while MD still serves the request;
+    the user's stream holds ``position`` tokens, ``tokens`` (varints: the
+    ids at positions ``0..position-1``).
+
+    MD confirms that RLD is unreachable from it too (one ping) and then takes
+    over at ``position`` if its handoff machine can do so exactly there (see
+    :class:`~pddnet.handoff.PeerFailed`, ``takeover_only``); otherwise it
+    ignores the report. MD honours it only from the request's sink.
+    """
+
+    request_id: int
+    position: int
+    tokens: bytes

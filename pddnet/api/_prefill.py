@@ -347,7 +347,7 @@ class PrefillEndpoint:
         dests = [main_peer] + ([relay_peer] if relay_peer else [])
         stream = self.sink.stream(request_id) if sink == self.name else None
         if stream is not None:  # our own sink can ask them for lost tokens
-            stream.watch(*dests)
+            stream.watch(*dests, relay=relay_peer, main=main_peer)
         self._reqs[request_id] = req = _Req(request_id)
         self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
         self._lease_changed.set()

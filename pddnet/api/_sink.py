@@ -21,6 +21,7 @@ Open the stream before submitting, so that no token arrives unclaimed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ import trio
 
 from .._errors import LocalProtocolError, PddnetError, ResourceLimitError
 from ..control import ControlNode
-from ._messages import Abort, Emitted, StreamAck, StreamResend, StreamStatus
+from ..wire import encode_tokens
+from ._messages import Abort, Emitted, StreamAck, StreamResend, StreamStatus, StreamTakeover
 from ._stream import SourceState, StreamAssembler, StreamPhase, StreamReport
 
 __all__ = ["SinkStatistics", "StreamToken", "TokenSink", "TokenStream"]
+
+log = logging.getLogger("pddnet.api")
 
 K_MAX_OPEN_STREAMS = 1 << 16
 
@@ -58,6 +62,7 @@ class SinkStatistics:
     duplicates: int
     rounds: int
     unclaimed_frames: int
+    takeovers: int = 0  # StreamTakeover reports sent to MD (RLD lost mid-stream)
 
 
 class TokenStream:
@@ -87,10 +92,18 @@ class TokenStream:
     def sources(self) -> list[str]:
         return list(self._asm.sources)
 
-    def watch(self, *sources: str) -> None:
+    def watch(self, *sources: str, relay: str = "", main: str = "") -> None:
         """Name decoders that serve the request (RLD, MD), so that the sink can
-        ask them for lost tokens before any token of theirs arrived."""
+        ask them for lost tokens before any token of theirs arrived.
+
+        Args:
+            sources: the decoders.
+            relay, main: on the P->RLD->MD route, which one is RLD and which MD:
+                if RLD then stops answering while MD waits for its handover,
+                the sink tells MD to take over (``StreamTakeover``).
+        """
         self._asm.add_sources(sources)
+        self._asm.set_handoff(relay, main)
         self._sink._kick(self)
 
     def close(self, reason: str = "closed by the sink") -> None:
@@ -283,6 +296,9 @@ class TokenSink:
                 if asm.poll(trio.current_time()):
                     self._stats["rounds"] += 1
                     asm.round_result(await self._round(asm), trio.current_time())
+                    move = asm.takeover()
+                    if move is not None:
+                        await self._takeover(asm, *move)
         finally:
             if asm.phase is StreamPhase.OPEN:  # the sink is closing: so does the stream
                 asm.close("the token sink closed")
@@ -322,6 +338,18 @@ class TokenSink:
             for src in asm.sources:
                 nursery.start_soon(ask, src)
         return reports
+
+    async def _takeover(self, asm: StreamAssembler, main: str, position: int) -> None:
+        """Tell MD that RLD is gone and where the user's stream stands. MD answers
+        at once (it confirms RLD's death and takes over in the background);
+        its tokens then arrive like any others. A refusal changes nothing."""
+        self._stats["takeovers"] += 1
+        try:
+            tokens = encode_tokens(asm.delivered[:position])
+            msg = StreamTakeover(asm.request_id, position, tokens)
+            await self.node.request(main, msg, timeout=self.poll_interval_s)
+        except (PddnetError, ValueError) as exc:  # ValueError: a token id out of range
+            log.info("takeover report for %s to %s failed: %s", asm.request_id, main, exc)
 
     async def _tell(self, peer: str, msg: Any) -> None:
         with contextlib.suppress(PddnetError):  # best effort: the decoders' timers end it anyway

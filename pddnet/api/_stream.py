@@ -21,6 +21,16 @@ deadline it fails with :class:`~pddnet.TransferTimeout`; an ``Abort`` from a
 decoder fails it with :class:`~pddnet.RequestAborted`. A stream therefore
 always ends, complete or with a typed error.
 
+On the P->RLD->MD route the sink also watches for a dead relay. When the
+stream knows its relay and main decoder (:meth:`StreamAssembler.set_handoff`)
+and a round gets no answer from RLD (or RLD has forgotten the request) while
+MD answers ``ACTIVE`` without having emitted anything, MD is waiting for a
+handover that will never come. The assembler then proposes a *takeover*
+(:meth:`StreamAssembler.takeover`): the driver tells MD the user's position
+and tokens (``StreamTakeover``), and MD takes over there if its handoff
+machine can do so without a duplicate or a gap. Without it MD would wait for
+its own failure detector (seconds), and the user's deadline could pass first.
+
 Time is explicit: every method takes ``now`` and :meth:`next_timer` says when
 :meth:`poll` next has work.
 """
@@ -105,6 +115,9 @@ class StreamAssembler:
         self.phase = StreamPhase.OPEN
         self.error: PddnetError | None = None
         self.sources: list[str] = []  # decoders that may hold the request, in order seen
+        self.relay = ""  # the request's RLD and MD, when known (set_handoff)
+        self.main = ""
+        self.takeovers = 0  # takeovers proposed
         self.delivered: list[int] = []  # the tokens at positions 0..next-1
         self.next = 0  # every position below this has been delivered
         self.final: int | None = None
@@ -116,12 +129,24 @@ class StreamAssembler:
         self._gap_since: float | None = None
         self._round_at = -math.inf  # when the last round started
         self._in_round = False
+        self._takeover: int | None = None  # position of a proposed, not yet taken, takeover
+        self._round_next = 0  # ``next`` when the last round started
 
     # ------------------------------------------------------------- inputs
     def add_sources(self, names: Iterable[str]) -> None:
         for name in names:
             if name and name not in self.sources:
                 self.sources.append(name)
+
+    def set_handoff(self, relay: str, main: str) -> None:
+        """The request runs P->RLD->MD: ``relay`` emits first, ``main`` takes over.
+
+        Both become sources; a round in which ``relay`` is silent while
+        ``main`` waits proposes a takeover (:meth:`takeover`).
+        """
+        if relay and main and relay != main:
+            self.relay, self.main = relay, main
+            self.add_sources([main, relay])
 
     def receive(
         self, position: int, token: int, finished: bool, source: str, now: float
@@ -207,6 +232,8 @@ class StreamAssembler:
             and (rep.state is SourceState.ACTIVE or rep.first <= self.next <= rep.last)
             for rep in reports.values()
         )
+        stalled = self.next == self._round_next  # (answers are older than tokens since)
+        self._takeover = self.next if stalled and self._relay_lost(reports) else None
         self.failed_rounds = 0 if healthy else self.failed_rounds + 1
         if self.failed_rounds >= self.max_failed_rounds:
             said = ", ".join(
@@ -219,6 +246,28 @@ class StreamAssembler:
                     state=self.phase,
                 )
             )
+
+    def _relay_lost(self, reports: Mapping[str, StreamReport | None]) -> bool:
+        """RLD cannot deliver (no answer, or no record of the request) while
+        MD still serves the request and has emitted nothing: MD waits for a
+        handover that will not come. (Only asked when no token arrived
+        during the round.)"""
+        if not self.relay or self.relay not in reports or self.main not in reports:
+            return False
+        rld, md = reports[self.relay], reports[self.main]
+        rld_gone = rld is None or rld.state is SourceState.UNKNOWN
+        return rld_gone and md is not None and md.state is SourceState.ACTIVE and md.first < 0
+
+    def takeover(self) -> tuple[str, int] | None:
+        """After :meth:`round_result`: ``(main, position)`` if MD should be told
+        that RLD is gone and the user's stream holds ``position`` tokens
+        (``delivered[:position]``); None otherwise. Each proposal is returned once.
+        """
+        pos, self._takeover = self._takeover, None
+        if pos is None or self.phase is not StreamPhase.OPEN or pos != self.next:
+            return None
+        self.takeovers += 1
+        return self.main, pos
 
     def close(self, reason: str = "closed by the sink") -> None:
         """The consumer gave up on the stream."""
@@ -257,6 +306,7 @@ class StreamAssembler:
             return False
         self._in_round = True
         self._round_at = now
+        self._round_next = self.next
         self.rounds += 1
         return True
 

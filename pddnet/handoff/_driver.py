@@ -110,6 +110,7 @@ class HandoffDriver:
         self._stepping = False
         self._held: TokenGenerated | None = None
         self._extending: trio.Event | None = None
+        self._sending: trio.CancelScope | None = None  # around a send to the peer in progress
         self.result: Done | None = None
 
     # ----------------------------------------------------- inputs, thread-free
@@ -133,9 +134,25 @@ class HandoffDriver:
         self._from_peer.add(id(ev))
         self._send_in.send_nowait(ev)
 
-    def peer_failed(self, user_position: int | None = None) -> None:
-        """The failure detector declared the peer dead (never blocks)."""
-        self._send_in.send_nowait(PeerFailed(user_position))
+    def peer_failed(
+        self,
+        user_position: int | None = None,
+        user_tokens: tuple[int, ...] | None = None,
+        *,
+        takeover_only: bool = False,
+    ) -> None:
+        """The failure detector declared the peer dead (never blocks).
+
+        With ``takeover_only`` it is a suspicion (see :class:`PeerFailed`):
+        MD acts on it only to take over at ``user_position``.
+
+        A send to the peer in progress is abandoned (it would only wait out
+        its timeout on a dead peer, and hold up this report); the machines
+        recover a message lost that way as any other.
+        """
+        self._send_in.send_nowait(PeerFailed(user_position, user_tokens, takeover_only))
+        if self._sending is not None:
+            self._sending.cancel()
 
     def cancel(self) -> None:
         """The user cancelled the request (never blocks)."""
@@ -163,9 +180,16 @@ class HandoffDriver:
             while self.result is None:
                 deadline = self.machine.get_timer()
                 ev: Event = Timer()
-                with trio.move_on_at(deadline if deadline is not None else math.inf):
-                    ev = await self._inbox.receive()
-                    self._from_peer.discard(id(ev))
+                # Queued events first: a timer that passed while we acted (a send
+                # that waited) must not starve them, a failure report above all.
+                try:
+                    ev = self._inbox.receive_nowait()
+                except trio.WouldBlock:
+                    with trio.move_on_at(deadline if deadline is not None else math.inf):
+                        ev = await self._inbox.receive()
+                else:
+                    await trio.lowlevel.checkpoint()
+                self._from_peer.discard(id(ev))
                 await self._feed(ev)
             nursery.cancel_scope.cancel()
         return self.result
@@ -195,10 +219,16 @@ class HandoffDriver:
             if isinstance(o, Emit):
                 await self.engine.emit(self.request_id, o.position, o.token)
             elif isinstance(o, SendMessage):
-                try:
-                    await self.link.send(o.message)
-                except PddnetError as exc:  # a lost message: the machine's timers recover
-                    log.info("request %s: send failed: %s", self.request_id, exc)
+                with trio.CancelScope() as self._sending:
+                    try:
+                        await self.link.send(o.message)
+                    except PddnetError as exc:  # a lost message: the machine's timers recover
+                        log.info("request %s: send failed: %s", self.request_id, exc)
+                if self._sending.cancelled_caught:
+                    log.info(
+                        "request %s: send abandoned: the peer was reported failed", self.request_id
+                    )
+                self._sending = None
             elif isinstance(o, CancelTransfer):
                 await self.link.cancel_transfer(self.request_id, o.reason)
             elif isinstance(o, FreeBlocks):

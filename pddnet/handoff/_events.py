@@ -133,9 +133,23 @@ class PeerFailed(Event):
     ``user_position`` is how many tokens the user's stream holds, if the
     caller knows it (the stream's sink does); it decides whether the
     survivor may continue without duplicating or skipping a token.
+
+    ``user_tokens``, if given, are the user's tokens at positions
+    ``0..user_position-1`` (the sink has them): MD may take them as RLD's
+    final batch when they agree with what it holds, so it can take over even
+    if RLD died before sending it everything.
+
+    ``takeover_only`` marks a report that is a suspicion rather than the
+    failure detector's verdict (the sink lost RLD and MD's own ping to it
+    failed): MD acts on it only if it can take over exactly at
+    ``user_position``, and otherwise ignores it and keeps waiting, so that
+    the failure detector still decides every other outcome. RLD never gets
+    one.
     """
 
     user_position: int | None = None
+    user_tokens: tuple[int, ...] | None = None
+    takeover_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,24 @@ class HandoffHub:
         for rid, driver in list(self._drivers.items()):
             driver.peer_failed(user_position(rid) if user_position is not None else None)
 
+    def suspect_peer(
+        self, request_id: int, user_position: int, user_tokens: tuple[int, ...] | None = None
+    ) -> bool:
+        """Report the peer of ``request_id`` as failed *for that request only*,
+        as a suspicion: its driver gets a ``takeover_only`` :class:`PeerFailed`
+        (MD takes over at ``user_position`` if that is safe, and otherwise
+        ignores it). The caller must have authenticated the reporter (the
+        stream's sink) and confirmed the peer is unreachable.
+
+        Returns:
+            False if no driver serves ``request_id`` here.
+        """
+        driver = self._drivers.get(request_id)
+        if driver is None:
+            return False
+        driver.peer_failed(user_position, user_tokens, takeover_only=True)
+        return True
+
     def _on_message(self, peer: str, msg: Message) -> None:
         rid = request_id_of(msg)
         driver = self._drivers.get(rid) if rid is not None else None

@@ -157,6 +157,8 @@ class MainHandoff(HandoffMachine):
 
     # --------------------------------------------------------------- helpers
     def _send(self, message: HandoffAck | KvReady | HandoffAbort) -> None:
+        if self._rld_dead:
+            return  # nobody to tell, and a send to a dead peer only waits out its timeout
         self._out.append(SendMessage(message))
 
     def _ack(self, owner: bool = False) -> None:
@@ -310,11 +312,29 @@ class MainHandoff(HandoffMachine):
         self._release(ev.reason)
         return "cancelled" if ev.reason is AbortReason.CANCELLED else "aborted"
 
+    def _user_stream_fits(self, u: int | None, tokens: tuple[int, ...] | None) -> bool:
+        """Whether MD can take over exactly at the user's position ``u``: it
+        holds those ``u`` tokens (or gets the rest from ``tokens``, which must
+        agree with what it holds) and no final switch says otherwise."""
+        if u is None or (self.final_end is not None and self.final_end != u):
+            return False
+        held = len(self.received)
+        if tokens is None:
+            return held == u
+        return len(tokens) == u and held <= u and list(tokens[:held]) == self.received
+
     def _on_peer_failed(self, ev: PeerFailed, now: float) -> str:
         s = self._state
         if s not in _BEFORE_OWNER:
             return "ignore"
         u = ev.user_position
+        fits = self._user_stream_fits(u, ev.user_tokens)
+        if ev.takeover_only and not fits:
+            return "continue"  # only a suspicion: RLD may still hand over; the detector decides
+        if fits and ev.user_tokens is not None and u is not None:
+            # the user's stream is RLD's whole output: take it as the final batch
+            self._append(0, ev.user_tokens, final=True)
+            self._stash.clear()
         self._rld_dead = True
         if self.final_end is None and u is not None and u == len(self.received):
             self.final_end = u  # the user saw exactly what we hold: finish the switch
