@@ -507,6 +507,11 @@ def test_startup_drain_only_on_long_paths_and_only_at_startup() -> None:
     lan = AdaptivePacer(max_streams=4)
     ds = _startup(lan, [0.0002] * 5 + [0.008] * 10, floor=0.0002)
     assert all(d.rate_per_stream is None for d in ds)  # a 0.2 ms path: nothing to drain
+    # the first window's burst queues for a moment, before 3 RTTs, while the
+    # delivery rate reads 5 % of the path (startup_min_rtts=0: drained at that)
+    burst = AdaptivePacer(max_streams=4)
+    ds = _startup(burst, [0.030] * 4 + [0.040] * 3 + [0.030] * 3, growth=1.0)
+    assert all(d.rate_per_stream is None for d in ds)
     late = AdaptivePacer(max_streams=4, startup_window=0.1)
     ds = _startup(late, [0.030] * 20 + [0.060] * 5)
     assert all(d.rate_per_stream is None for d in ds[20:])  # past the window: the usual rules

@@ -60,13 +60,15 @@ Built in:
     For the first ``startup_window`` (2 s) of sending the pacer is asked every
     ``startup_interval`` (10 ms). The reference RTT is the median of the median
     smoothed RTTs seen so far in startup. The moment the median smoothed RTT
-    exceeds it by ``max(queue_slack, startup_tolerance x ref)`` while the summed
-    delivery rate has stopped growing (under ``plateau_growth`` x what it was
-    one reference RTT earlier: the path is full), it paces the aggregate at
+    exceeds it by ``max(queue_slack, startup_tolerance x ref)``, at least
+    ``startup_min_rtts`` (3) reference RTTs after the first bytes, while the
+    summed delivery rate has stopped growing (under ``plateau_growth`` x what it
+    was one reference RTT earlier: the path is full), it paces the aggregate at
     ``drain_gain`` (0.5) x the peak delivery rate of the last 100 ms until the
     RTT is back within ``max(2 ms, 5 %)`` of the reference (at most
-    ``max_drain_rtts`` reference RTTs), holds ``backoff`` x that peak for
-    ``hold_rtts`` (10) reference RTTs so the flows leave STARTUP, then hands
+    ``max_drain_rtts`` reference RTTs), holds ``backoff`` x the highest summed
+    delivery rate seen in startup for ``hold_rtts`` (10) reference RTTs so the
+    flows leave STARTUP, then hands
     over to the rules above, started afresh (the overshoot's losses and RTTs
     are not theirs to react to; their RTT floor starts at the reference).
     Once only; not on paths whose reference RTT is under ``startup_min_rtt``
@@ -216,6 +218,7 @@ class AdaptivePacer(Pacer):
         max_drain_rtts: float = 4.0,
         hold_rtts: float = 10.0,
         plateau_growth: float = 1.25,
+        startup_min_rtts: float = 3.0,
         **kw: Any,
     ) -> None:
         super().__init__(max_streams=max_streams, rate_cap=rate_cap)
@@ -227,6 +230,7 @@ class AdaptivePacer(Pacer):
         self.max_drain_rtts = max_drain_rtts
         self.hold_rtts = hold_rtts
         self.plateau_growth = plateau_growth
+        self.startup_min_rtts = startup_min_rtts
         self._phase = "startup"  # -> ("drain" -> "hold" -> "handover" ->) "steady"
         self._sending_since: float | None = None
         self._ramp_rtts: list[float] = []
@@ -234,6 +238,7 @@ class AdaptivePacer(Pacer):
         self._recent: deque[tuple[float, float]] = deque()  # (time, delivered), last 2 RTTs
         self._drain_at = 0.0
         self._drain_rate = 0.0
+        self._peak = 0.0
         self.period = period
         self.queue_tolerance = queue_tolerance
         self.queue_slack = queue_slack
@@ -322,6 +327,7 @@ class AdaptivePacer(Pacer):
             return None
         srtt = statistics.median(rtts)
         delivered = sum(s.delivery_rate for s in samples)
+        self._peak = max(self._peak, delivered)  # the most the path carried: the hold's base
         self._recent.append((now, delivered))
         while now - self._recent[0][0] > max(0.1, 2 * self._ref_rtt):
             self._recent.popleft()
@@ -334,6 +340,11 @@ class AdaptivePacer(Pacer):
                 self._phase = "steady"
                 return None
             if srtt <= ref + max(self.queue_slack, self.startup_tolerance * ref):
+                return None
+            if now - self._sending_since < self.startup_min_rtts * ref:
+                # the first window's burst queues briefly on a slow path, and the
+                # first RTTs' delivery rates read low (13.8 MB/s on a 25 MB/s link,
+                # and the hold then kept the flows at half the path)
                 return None
             # a queue of ours only once the path is full: the delivery rate has
             # stopped growing over the last RTT (a jittered path shows "queueing"
@@ -353,7 +364,7 @@ class AdaptivePacer(Pacer):
                 # go at once and they overshoot again (measured: the queue was
                 # back within 3 RTTs)
                 self._phase, self._drain_at = "hold", now
-                self._drain_rate = self.backoff * self._drain_rate / self.drain_gain
+                self._drain_rate = self.backoff * self._peak
                 self.history.append((now, self._drain_rate, srtt, ref, delivered, "drained"))
         elif now - self._drain_at > self.hold_rtts * ref:
             self._phase = "handover"
