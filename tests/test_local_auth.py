@@ -339,7 +339,7 @@ async def main():
         before = dst.copy()
         g2 = rx.grant([dst], RANGES, timeout=10)
         msg = _pack(_Ctl.DATA, tx.sender_id, g2.transfer_id, 0, b"\\xee" * (4096 - 1))
-        tx._send_ctrl(tx._ep, tx._tags.rx_tag, msg)
+        tx._send_ctrl(tx._data_ep, tx._tags.rx_tag, msg)
         try:
             with trio.fail_after(10):
                 await rx.wait_transfer(g2.transfer_id)

@@ -37,6 +37,9 @@ _UCX_ONLY = (
     "busy_poll_us",
     "busy_poll_max_bytes",
     "drain_timeout",
+    "session_workers",
+    "cma",
+    "error_handling",
 )
 
 
@@ -50,7 +53,8 @@ def open_local_receiver(**kw: Any) -> Receiver:
     """A receiver for the local path: :class:`UcxReceiver`, or a TCP one without ucxx.
 
     Use it as an async context manager; ``kw`` go to the chosen class (the
-    UCX-only ``tls``, ``spin_us``, ``busy_poll_*`` and ``drain_timeout`` are dropped for TCP).
+    UCX-only ``tls``, ``spin_us``, ``busy_poll_*``, ``drain_timeout``, ``session_workers``
+    and ``cma`` are dropped for TCP).
     Pass ``secret=`` to authenticate senders: both transports run the same
     challenge-response (:class:`pddnet.wire.AuthHandshake`) before any data.
     """

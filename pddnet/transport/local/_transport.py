@@ -40,7 +40,10 @@ path): HELLO (sender -> receiver, blob = [the sender's CHALLENGE frame] + its
 worker address; code bit 0 when the frame is there, bit 1 when the sender's
 endpoint asked UCX for error handling, which the receiver's endpoint back must
 match), AUTH (40-byte handshake
-frames, either way), ACCEPT (receiver: the sender is admitted), START (so the
+frames, either way), ACCEPT (receiver: the sender is admitted; the blob is the
+address of the UCX worker the receiver made for this session, to which the
+sender then sends everything else), BYE (sender: the session ends, its worker
+can go), START (so the
 receiver knows whom to tell and posts the transfer's receives; posted right
 before the transfer's first piece, so both arrive in one wake-up, or at
 ``start`` when nothing is ready yet), DONE (receiver: every piece landed; one
@@ -68,8 +71,10 @@ message cannot be detected; senders are trusted for that inside a datacenter.)
 whose data is in flight goes on writing until it completes. So a grant that
 ends early is reported ended (``wait_transfer`` raises; the engine may reuse
 the blocks) only once each of its receives completed or was confirmed
-cancelled, bounded by ``drain_timeout``, after which the receiver halts its
-worker so nothing more lands (docs/local.md, *Ending a grant*).
+cancelled, bounded by ``drain_timeout``, after which the receiver halts the
+UCX worker of that grant's sender session so nothing more lands (docs/local.md,
+*Ending a grant*); other senders, on their own workers, go on (*Dead senders:
+one UCX worker per sender session*).
 """
 
 from __future__ import annotations
@@ -145,6 +150,15 @@ K_DONE_BATCH = (K_CTRL_MAX - 64) // 4  # transfer ids per DONE message
 K_INLINE_BURST = 256  # sends completed while posted before the pump yields to trio
 K_MAX_PENDING_AUTH = 64  # handshakes in progress on a receiver (more are dropped)
 K_MAX_SESSIONS = 1024  # admitted senders a receiver keeps (the oldest idle one goes)
+# With a UCX worker per session (the default) each costs ~11 fds (epoll, eventfd,
+# tcp sockets, shared-memory FIFO) and ~4 MB (measured), so fewer are kept; an
+# admission beyond this evicts the oldest idle session or, all busy, is refused.
+K_MAX_SESSION_WORKERS = 64
+# Halted session workers are never progressed nor destroyed again while the
+# receiver lives (destroying one might progress it); beyond this many the next
+# drain deadline halts the whole receiver, as without session workers.
+K_MAX_HALTED_WORKERS = 16
+K_BYE_GRACE_S = 0.5  # a session's worker outlives its BYE this long (the sender's flush)
 K_KEEP_AUTH_ERRORS = 16
 K_POLL_MAX_BYTES = 64 << 10  # low-latency mode: only transfers up to this size busy-poll
 K_POLL_YIELD_S = 1e-3  # low-latency mode: a full trio checkpoint at least this often
@@ -191,8 +205,9 @@ class _Ctl(enum.IntEnum):
     DONE = 3
     CANCEL = 4
     AUTH = 5
-    ACCEPT = 6
+    ACCEPT = 6  # blob: the address of the session's own UCX worker (empty: the public one)
     DATA = 7  # START with a small transfer's bytes inline
+    BYE = 8  # sender -> receiver: the session ends (its worker can be retired)
 
 
 class _Code(enum.IntEnum):
@@ -287,6 +302,34 @@ def _tls_for_peer(tls: str | None, peer_netns: str) -> str | None:
     return ",".join(kept)
 
 
+K_PEER_READ_TLS = ("cma", "knem", "xpmem")  # transports that read the sender's memory
+
+
+def _tls_without_peer_reads(tls: str | None) -> str:
+    """``tls`` (a ``UCX_TLS`` value; None: the environment's or the default)
+    without the transports through which the receiver reads a sender's memory.
+
+    Over ``cma`` UCX's rendezvous is the receiver's ``process_vm_readv`` of the
+    sender's buffer; if the sender has died, that read fails and UCX, without
+    endpoint error handling (which shared memory rules out), aborts the
+    *receiving* process (measured: SIGABRT after ``cma_ep.c:85
+    process_vm_readv(pid=...) returned -1: No such process``). ``sm`` is
+    replaced by ``posix,sysv``, whose FIFOs carry the fragments instead.
+    """
+    current = tls or os.environ.get("UCX_TLS") or K_DEFAULT_TLS
+    names = [x.strip() for x in current.split(",") if x.strip()]
+    if not names or names[0].startswith("^") or names == ["all"]:
+        ex = [n.lstrip("^") for n in names if n != "all"]
+        return "^" + ",".join(dict.fromkeys([*ex, *K_PEER_READ_TLS]))
+    out: list[str] = []
+    for n in names:
+        if n == "sm":
+            out += ["posix", "sysv"]
+        elif n not in K_PEER_READ_TLS:
+            out.append(n)
+    return ",".join(dict.fromkeys(out))
+
+
 def _error_for(code: int, tid: int, peer: str) -> PddnetError:
     if code == _Code.TIMEOUT:
         return TransferTimeout("the peer's deadline passed", transfer_id=tid, peer=peer)
@@ -298,11 +341,12 @@ def _error_for(code: int, tid: int, peer: str) -> PddnetError:
 class _Inbox:
     """A control-message tag this end listens on: one reused buffer, one posted receive."""
 
-    __slots__ = ("buf", "closed", "handle", "handler", "tag")
+    __slots__ = ("buf", "closed", "handle", "handler", "tag", "worker")
 
-    def __init__(self, tag: int, handler: Any) -> None:
+    def __init__(self, tag: int, handler: Any, worker: UcxWorker) -> None:
         self.tag = tag
         self.handler = handler
+        self.worker = worker
         self.buf = np.empty(K_CTRL_MAX, np.uint8)
         self.handle = 0
         self.closed = False
@@ -342,9 +386,14 @@ class _Service(ABC):
     def _should_poll(self, total: int) -> bool:
         return self._poll_s > 0 and total <= self._poll_max
 
-    async def _poll_wait(self, event: trio.Event) -> None:
+    def _workers(self) -> list[UcxWorker]:
+        """Every worker this end progresses (the receiver adds its sessions')."""
+        return [self._worker]
+
+    async def _poll_wait(self, event: trio.Event, worker: UcxWorker | None = None) -> None:
         """Wait for ``event``, busy-polling first (low-latency mode, small transfers)."""
-        if not event.is_set() and self._worker.poll(event.is_set, self._poll_s):
+        w = worker or self._worker
+        if not event.is_set() and not w.closed and w.poll(event.is_set, self._poll_s):
             # Done within the budget: a full trio checkpoint would hand the loop
             # to the progress task (its epoll fd is readable now) before we
             # return. Check for cancellation only, yielding at least every ms.
@@ -366,24 +415,28 @@ class _Service(ABC):
             return
         # Give queued control messages (CANCEL, DONE) a moment to leave.
         with trio.move_on_after(0.05):
-            while any(e[3] for e in self._worker._pending.values()):
+            while any(e[3] for w in self._workers() if not w.halted for e in w._pending.values()):
                 await trio.sleep(0.001)
+        workers = self._workers()
         self._nursery.cancel_scope.cancel()
         stack, self._stack = self._stack, None
         await stack.aclose()
-        self._worker.close()
+        for w in workers:
+            w.close()
 
-    def _listen(self, tag: int, handler: Any) -> _Inbox:
+    def _listen(self, tag: int, handler: Any, worker: UcxWorker | None = None) -> _Inbox:
         """Receive control messages on ``tag``: ``handler(kind, sender, tid, code, blob)``."""
-        box = _Inbox(tag, handler)
+        box = _Inbox(tag, handler, worker or self._worker)
         self._post_inbox(box)
         return box
 
     def _post_inbox(self, box: _Inbox) -> None:
         # One buffer per inbox, reused: a message is parsed (copied out) before
         # the next receive is posted into it.
+        w = box.worker
+
         def done(req: Any, err: BaseException | None) -> None:
-            if self._worker.closed or box.closed:
+            if w.closed or box.closed:
                 return
             if err is not None:  # e.g. an oversized message: drop it, keep listening
                 self._drop_ctrl(err)
@@ -394,16 +447,16 @@ class _Service(ABC):
                     self._drop_ctrl(exc)
             if box.closed:
                 return
-            if self._worker.polling:  # latency first: after this round's DONE, off the path
-                self._worker.defer(repost)
+            if w.polling:  # latency first: after this round's DONE, off the path
+                w.defer(repost)
             else:  # at once: a burst of messages is handled (and answered) in one round
                 self._post_inbox(box)
 
         def repost() -> None:
-            if not (box.closed or self._worker.closed):
+            if not (box.closed or w.closed):
                 self._post_inbox(box)
 
-        box.handle = self._worker.recv(box.buf, box.tag, done)
+        box.handle = w.recv(box.buf, box.tag, done)
 
     def _drop_ctrl(self, exc: BaseException) -> None:
         self.ctrl_dropped += 1  # a peer can send junk: warn once, then count
@@ -412,14 +465,16 @@ class _Service(ABC):
 
     def _unlisten(self, box: _Inbox) -> None:
         box.closed = True
-        self._worker.forget(box.handle)
+        box.worker.forget(box.handle)
 
-    def _send_ctrl(self, ep: Any, tag: int, msg: bytes) -> None:
+    def _send_ctrl(self, ep: Any, tag: int, msg: bytes, worker: UcxWorker | None = None) -> None:
+        w = worker or self._worker  # the worker ``ep`` belongs to
+
         def done(req: Any, err: BaseException | None) -> None:
-            if err is not None and not self._worker.closed:
+            if err is not None and not w.closed:
                 log.debug("UCX control send failed: %s", err)
 
-        self._worker.send(ep, msg, tag, done, spin=True)
+        w.send(ep, msg, tag, done, spin=True)
 
 
 # ====================================================================== receiver
@@ -439,13 +494,15 @@ class _RxTransfer:
         "queues",
         "scope",
         "sender",
+        "session",
         "state",
         "targets",
         "tid",
         "total",
+        "worker",
     )
 
-    def __init__(self, tid: int, total: int) -> None:
+    def __init__(self, tid: int, total: int, worker: UcxWorker) -> None:
         self.tid = tid
         self.total = total
         self.state = TransferState.RUNNING
@@ -464,34 +521,54 @@ class _RxTransfer:
         self.targets: list[Any] = []  # granted memory, piece by piece: posted at START
         self.draining = 0  # ended, but this many receives may still write into it
         self.drain_scope: trio.CancelScope | None = None
+        self.worker = worker  # where its receives are posted: its session's worker
+        self.session: _Session | None = None
 
 
 class _Session:
-    """An admitted sender: its endpoint and its session's tags."""
+    """An admitted sender: its endpoint, its session's tags and its UCX worker.
 
-    __slots__ = ("ep", "errh", "inbox", "sid", "tags")
+    With per-session workers (the default) ``worker`` is the session's own:
+    its data and control messages arrive there, ``ep`` (back to the sender)
+    belongs to it, and halting it (a drain deadline) stops only this sender.
+    """
 
-    def __init__(self, sid: int, ep: Any, tags: SessionTags, errh: bool = False) -> None:
+    __slots__ = ("dropped", "ep", "errh", "hello_ep", "inbox", "scope", "sid", "tags", "worker")
+
+    def __init__(
+        self, sid: int, ep: Any, tags: SessionTags, worker: UcxWorker, errh: bool = False
+    ) -> None:
         self.sid = sid
         self.ep = ep
         self.tags = tags
         self.errh = errh  # UCX error handling: a dead sender fails its receives in flight
         self.inbox: _Inbox | None = None
+        self.worker = worker
+        self.hello_ep: Any = None  # the public worker's endpoint (handshake, ACCEPT)
+        self.scope = trio.CancelScope()  # its worker's progress task
+        self.dropped = False  # no longer admitted: its worker goes once nothing is posted
 
 
 class _Pending:
     """A handshake in progress on the receiver."""
 
-    __slots__ = ("ep", "errh", "hs", "n_i", "n_r", "scope")
+    __slots__ = ("address", "ep", "errh", "hs", "n_i", "n_r", "scope")
 
     def __init__(
-        self, hs: AuthHandshake, ep: Any, n_i: bytes, n_r: bytes, errh: bool = False
+        self,
+        hs: AuthHandshake,
+        ep: Any,
+        n_i: bytes,
+        n_r: bytes,
+        errh: bool = False,
+        address: bytes = b"",
     ) -> None:
         self.hs = hs
         self.ep = ep
         self.n_i = n_i
         self.n_r = n_r
         self.errh = errh
+        self.address = address  # the sender's worker address (its HELLO)
         self.scope = trio.CancelScope()
 
 
@@ -513,8 +590,10 @@ class UcxReceiverStatistics:
     unexpected_dropped: int = 0  # messages swept from UCX's unexpected queue
     unexpected_dropped_bytes: int = 0
     drains: int = 0  # ends that had to wait for receives in flight
-    path_closed: bool = False  # the worker was halted (a drain deadline passed)
+    path_closed: bool = False  # the whole receiver was halted (a drain deadline passed)
     peers_lost: int = 0  # senders UCX reported unreachable (error handling: a dead sender)
+    session_workers: int = 0  # UCX workers of admitted (or ending) sessions, halted ones too
+    sessions_halted: int = 0  # session workers halted by a drain deadline (one sender each)
 
 
 class UcxReceiver(_Service, Receiver):
@@ -538,10 +617,21 @@ class UcxReceiver(_Service, Receiver):
             only after every receive posted into it completed or was confirmed
             cancelled: UCX cannot cancel a receive whose data is already in
             flight. If one is still in flight after this many seconds, the
-            receiver halts its UCX worker, so that nothing more can land in
-            memory the engine may reuse, fails every transfer with
-            :class:`~pddnet.TransportError` saying so, and refuses new grants
-            (open a new receiver).
+            receiver halts the UCX worker of that grant's sender session, so
+            that nothing more can land in memory the engine may reuse, and
+            fails that session's transfers with :class:`~pddnet.TransportError`
+            saying so; other senders go on. Without session workers (or past
+            16 halted ones) it halts its only worker instead, fails every
+            transfer and refuses new grants (open a new receiver).
+        session_workers: give each admitted sender its own UCX worker (the
+            default; see docs/local.md, *Dead senders*). False: one worker for
+            all, as before.
+        cma: let UCX use the transports through which the receiver reads the
+            sender's memory (``cma``, part of ``sm``). With them a sender that
+            dies mid-rendezvous makes UCX **abort this process** (no error
+            handling is possible with shared memory); False leaves them out
+            (``sm`` becomes ``posix,sysv``), so a dead sender only stalls its
+            own session until ``drain_timeout`` (measured cost: docs/local.md).
 
     Raises:
         MissingExtraError: if ucxx is not installed (see :func:`open_local_receiver`
@@ -559,9 +649,18 @@ class UcxReceiver(_Service, Receiver):
         busy_poll_us: float = 0.0,
         busy_poll_max_bytes: int = K_POLL_MAX_BYTES,
         drain_timeout: float = K_DRAIN_TIMEOUT_S,
+        session_workers: bool = True,
+        cma: bool = True,
     ) -> None:
+        if not cma:
+            tls = _tls_without_peer_reads(tls)
         super().__init__(tls, spin_us, secret, auth_timeout, busy_poll_us, busy_poll_max_bytes)
         self.drain_timeout = drain_timeout
+        self.session_workers = session_workers
+        self._retiring: dict[int, _Session] = {}  # dropped sessions whose worker still runs
+        self._halted: list[UcxWorker] = []  # halted session workers: kept, never progressed
+        self._last_worker: UcxWorker | None = None  # where the latest START arrived
+        self._retired_epoll = 0
         self.path_error: TransportError | None = None  # set when the worker was halted
         self._drains = 0
         self._peers_lost = 0
@@ -586,29 +685,39 @@ class UcxReceiver(_Service, Receiver):
         self._nursery.start_soon(self._sweeper)
         return self
 
+    def _workers(self) -> list[UcxWorker]:
+        out = [self._worker]
+        out += [s.worker for s in self._sessions.values() if s.worker is not self._worker]
+        out += [s.worker for s in self._retiring.values()]
+        return out + self._halted
+
     async def _sweeper(self) -> None:
         while True:
             await trio.sleep(K_SWEEP_S)
             try:
-                while not self._worker.halted and self._sweep() >= K_SWEEP_MAX:
-                    await trio.lowlevel.checkpoint()  # a flood: go on, but let others run
+                # Each worker's unexpected queue: the public one's, then each session's.
+                places: list[tuple[UcxWorker, _Session | None]] = [(self._worker, None)]
+                places += [(s.worker, s) for s in self._sessions.values() if self.session_workers]
+                for w, s in places:
+                    while not w.halted and not w.closed and self._sweep(w, s) >= K_SWEEP_MAX:
+                        await trio.lowlevel.checkpoint()  # a flood: go on, but let others run
             except Exception as exc:  # never take the receiver down for housekeeping
                 log.error("sweeping UCX's unexpected queue failed; stopped: %r", exc)
                 return
 
-    def _sweep(self) -> int:
-        """Drop unexpected messages nothing live awaits, oldest first; returns how many.
+    def _sweep(self, w: UcxWorker, s: _Session | None = None) -> int:
+        """Drop unexpected messages nothing live awaits from ``w`` (the worker of
+        session ``s``, or the public one), oldest first; returns how many.
 
         Stops at the first message something may still receive (an inbox's, or
         data for a live grant under its session's mask, whose receives are posted
         at START): UCX's probe only sees the oldest, and that one is matched soon.
         Data for a grant that ended (a piece that crossed the CANCEL) goes too.
         """
-        w = self._worker
         n = 0
         while n < K_SWEEP_MAX:
             head = w.oldest_unexpected()
-            if head is None or self._awaited(head[0]) or not w.discard(head[0]):
+            if head is None or self._awaited(head[0], s) or not w.discard(head[0]):
                 break
             n += 1
             self._swept_bytes += head[1]
@@ -618,17 +727,26 @@ class UcxReceiver(_Service, Receiver):
             log.log(level, "dropped %d UCX messages no receive was posted for", n)
         return n
 
-    def _awaited(self, tag: int) -> bool:
-        """Whether a receive may still be posted for ``tag`` (see :meth:`_sweep`)."""
+    def _awaited(self, tag: int, session: _Session | None = None) -> bool:
+        """Whether a receive may still be posted for ``tag`` on the worker of
+        ``session`` (None: the public worker; see :meth:`_sweep`)."""
         kind = tag >> 60
-        if kind == K_TAG_CTRL_RX >> 60:
+        if session is not None:  # a session's own worker: only that session's tags
+            if tag == session.tags.rx_tag:
+                return not session.dropped
+            sessions: Any = (session,)
+        elif kind == K_TAG_CTRL_RX >> 60:
             return tag == K_TAG_CTRL_RX
-        if kind == 0xE:
+        elif self.session_workers:  # sessions' messages never come to the public worker
+            return False
+        elif kind == 0xE:
             return tag in self._session_tags
+        else:
+            sessions = self._sessions.values()
         if kind != 0x8:
             return False
         low = tag & ((1 << 56) - 1)
-        for s in self._sessions.values():
+        for s in sessions:
             t = self._transfers.get((low ^ s.tags.mask) >> 24)
             if t is not None and t.state is TransferState.RUNNING and t.sender in (None, s.sid):
                 return True
@@ -657,9 +775,9 @@ class UcxReceiver(_Service, Receiver):
             with trio.move_on_after(self.drain_timeout):
                 for t in draining:
                     await t.done.wait()
-            left = [t for t in draining if t.draining]
-            if left:
-                self._close_path(left[0], "the receiver is closing")
+            for t in draining:
+                if t.draining:  # halts its session's worker (or, without those, all)
+                    self._close_path(t, "the receiver is closing")
         await self._close()
 
     # ------------------------------------------------------------------ grant
@@ -688,7 +806,7 @@ class UcxReceiver(_Service, Receiver):
         tid = next(self._tids) & 0xFFFFFFFF
         while tid in self._transfers:
             tid = next(self._tids) & 0xFFFFFFFF
-        t = _RxTransfer(tid, ranges.total)
+        t = _RxTransfer(tid, ranges.total, self._worker)
         t.lengths = lengths
         nl = num_layers or 0
         layer_ends: tuple[int, ...] = ()
@@ -717,18 +835,21 @@ class UcxReceiver(_Service, Receiver):
         return Grant(tid, ranges.total, layer_ends, address)
 
     def _post(self, t: _RxTransfer, s: _Session) -> None:
-        """Bind ``t`` to session ``s`` and post its receives under the session's tags."""
+        """Bind ``t`` to session ``s`` and post its receives under the session's tags
+        (on the session's worker)."""
         t.sender = s.sid
+        t.session, t.worker = s, s.worker
         # One completion queue per layer: layers may arrive in any order, and
         # the worker polls only queue heads (see UcxWorker._reap).
         layers = t.piece_layer.tolist() if t.piece_layer is not None else None
         queues: dict[int, int] = {}
-        recv, data_tag, lengths = self._worker.recv, s.tags.data_tag, t.lengths.tolist()
+        w = s.worker
+        recv, data_tag, lengths = w.recv, s.tags.data_tag, t.lengths.tolist()
         for i, buf in enumerate(t.targets):
             layer = layers[i] if layers is not None else 0
             q = queues.get(layer)
             if q is None:
-                q = queues[layer] = self._worker.new_queue()
+                q = queues[layer] = w.new_queue()
             cb = self._piece_done(t, i, lengths[i])
             t.handles.append(recv(buf, data_tag(t.tid, i), cb, spin=True, queue=q))
         t.queues = list(queues.values())
@@ -738,6 +859,7 @@ class UcxReceiver(_Service, Receiver):
     def _place_inline(self, t: _RxTransfer, s: _Session, blob: bytes) -> None:
         """A small transfer's bytes, inline in its DATA message: exact size or rejected."""
         t.sender = s.sid
+        t.session, t.worker = s, s.worker
         if len(blob) != t.total or not all(isinstance(b, memoryview) for b in t.targets):
             exc = RemoteProtocolError(
                 f"inline transfer of {len(blob)} bytes for a grant of {t.total}", transfer_id=t.tid
@@ -833,20 +955,21 @@ class UcxReceiver(_Service, Receiver):
         t.state, t.error = state, error
         if t.sender is not None:  # first: the sender's wake-up overlaps our bookkeeping
             self._tell(t, code)
+        w = t.worker
         if error is None:  # every piece landed: nothing is posted any more
             for h in t.handles:
-                self._worker.forget(h)
+                w.forget(h)
             t.handles = []
         else:
             # Unmatched receives are cancelled at once; a receive whose data is in
             # flight cannot be, and may write into the blocks until it completes.
             # The end is reported (and the engine may reuse the blocks) only when
             # each has completed: see _piece_done, and _drain_deadline for the bound.
-            t.handles = self._worker.cancel(t.handles)
+            t.handles = w.cancel(t.handles)
         t.targets = []
         if t.scope is not None:
             t.scope.cancel()
-        if t.handles and not self._worker.halted:
+        if t.handles and not w.halted:
             t.draining = len(t.handles)
             self._drains += 1
             log.debug("transfer %d ended with %d receives in flight", t.tid, t.draining)
@@ -862,14 +985,21 @@ class UcxReceiver(_Service, Receiver):
                 self._close_path(t, "its grant ended")
 
     def _close_path(self, t: _RxTransfer, why: str) -> None:
-        """The last resort: receives into ``t`` did not stop in time. Halt the worker.
+        """The last resort: receives into ``t`` did not stop in time. Halt its worker.
 
         Closing the endpoints would not do: UCX keeps a matched receive going over
         its own endpoint (measured: a stalled rendezvous still landed after
         ``ep.close()``). Over tcp and shared memory the bytes land only inside
         this process's ``progress()``, so a worker never progressed again
-        writes nothing more. Every transfer fails; the receiver takes no grant.
+        writes nothing more. With a worker per session only that session's
+        transfers fail (:meth:`_halt_session`); otherwise every transfer fails
+        and the receiver takes no grant.
         """
+        if t.worker.halted:
+            return
+        if t.worker is not self._worker and len(self._halted) < K_MAX_HALTED_WORKERS:
+            self._halt_session(t, why)
+            return
         who = f"ucx-sender-{t.sender:08x}" if t.sender is not None else None
         exc = TransportError(
             f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
@@ -882,7 +1012,8 @@ class UcxReceiver(_Service, Receiver):
         exc.__cause__ = t.error
         self.path_error = exc
         log.error("%s", exc)
-        self._worker.halt()
+        for w in self._workers():
+            w.halt()
         for u in list(self._transfers.values()):
             if u.state is TransferState.RUNNING or u.draining:
                 err = (
@@ -898,6 +1029,53 @@ class UcxReceiver(_Service, Receiver):
                     u.error = err
                     u.state = TransferState.FAILED
                     self._release(u)
+
+    def _halt_session(self, t: _RxTransfer, why: str) -> None:
+        """Halt the worker of ``t``'s session: only that sender's transfers fail.
+
+        The worker is never progressed again, so nothing more lands through it;
+        it is kept (not destroyed) until the receiver closes. Its session is
+        dropped; the sender, if alive, must open a new one.
+        """
+        w = t.worker
+        s = t.session
+        who = f"ucx-sender-{t.sender:08x}" if t.sender is not None else None
+        exc = TransportError(
+            f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
+            f"{self.drain_timeout} s after {why} (UCX cannot cancel a receive whose data "
+            f"is in flight); the receiver halted the UCX worker of this sender's session "
+            f"so nothing more can land, and failed that session's transfers",
+            transfer_id=t.tid,
+            peer=who,
+        )
+        exc.__cause__ = t.error
+        log.error("%s", exc)
+        w.halt()
+        self._halted.append(w)
+        if s is not None:
+            s.scope.cancel()  # its progress task: a halted worker has nothing to do
+            if self._retiring.get(s.sid) is s:
+                del self._retiring[s.sid]
+            if self._sessions.get(s.sid) is s:
+                self._drop_session(s)
+        for u in list(self._transfers.values()):
+            if u.worker is not w or not (u.state is TransferState.RUNNING or u.draining):
+                continue
+            err = exc
+            if u is not t:
+                err = TransportError(
+                    f"the UCX worker of this transfer's sender session was halted: {exc}",
+                    transfer_id=u.tid,
+                    peer=who,
+                )
+            if u.state is TransferState.RUNNING:
+                self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
+            else:
+                if u is not t:
+                    err.__cause__ = u.error
+                u.error = err
+                u.state = TransferState.FAILED
+                self._release(u)
 
     def _release(self, t: _RxTransfer) -> None:
         """Report ``t``'s end: nothing can write into its blocks any more."""
@@ -915,31 +1093,36 @@ class UcxReceiver(_Service, Receiver):
         self._finished.append(t.tid)
         while len(self._finished) > K_KEEP_FINISHED:
             self._transfers.pop(self._finished.popleft(), None)
+        s = t.session
+        if s is not None and s.dropped and self._retiring.get(s.sid) is s:
+            self._retire_if_idle(s)
 
     def _tell(self, t: _RxTransfer, code: int | None) -> None:
         s = self._sessions.get(t.sender) if t.sender is not None else None
         if s is None:
             return
         if code is None:  # DONE: batched per sender until this round of completions ends
-            if not self._done_out:
-                self._worker.after_reap(self._flush_done)
-            self._done_out.setdefault(s.sid, []).append(t.tid)
+            tids = self._done_out.get(s.sid)
+            if tids is None:
+                tids = self._done_out[s.sid] = []
+                s.worker.after_reap(lambda: self._flush_done(s.sid))
+            tids.append(t.tid)
             return
-        self._send_ctrl(s.ep, s.tags.tx_tag, _pack(_Ctl.CANCEL, s.sid, t.tid, code))
+        msg = _pack(_Ctl.CANCEL, s.sid, t.tid, code)
+        self._send_ctrl(s.ep, s.tags.tx_tag, msg, s.worker)
 
-    def _flush_done(self) -> None:
-        """One DONE per sender: the first transfer id in the header, the rest as u32s."""
-        out, self._done_out = self._done_out, {}
-        for sender, tids in out.items():
-            s = self._sessions.get(sender)
-            if s is None:
-                continue
-            for i in range(0, len(tids), K_DONE_BATCH):
-                part = tids[i : i + K_DONE_BATCH]
-                more = struct.pack(f"<{len(part) - 1}I", *part[1:])
-                msg = _pack(_Ctl.DONE, sender, part[0], 0, more)
-                self._send_ctrl(s.ep, s.tags.tx_tag, msg)
-                self._done_msgs += 1
+    def _flush_done(self, sender: int) -> None:
+        """One DONE for ``sender``: the first transfer id in the header, the rest as u32s."""
+        tids = self._done_out.pop(sender, None)
+        s = self._sessions.get(sender)
+        if s is None or not tids:
+            return
+        for i in range(0, len(tids), K_DONE_BATCH):
+            part = tids[i : i + K_DONE_BATCH]
+            more = struct.pack(f"<{len(part) - 1}I", *part[1:])
+            msg = _pack(_Ctl.DONE, sender, part[0], 0, more)
+            self._send_ctrl(s.ep, s.tags.tx_tag, msg, s.worker)
+            self._done_msgs += 1
 
     # ------------------------------------------------------- admission (auth)
     def _on_public(self, kind: _Ctl, sender: int, tid: int, code: int, blob: bytes) -> None:
@@ -948,7 +1131,11 @@ class UcxReceiver(_Service, Receiver):
             self._on_hello(sender, code, blob)
         elif kind is _Ctl.AUTH:
             self._on_auth(sender, blob)
-        elif self.secret is None and sender in self._sessions:
+        elif (
+            self.secret is None
+            and sender in self._sessions
+            and self._sessions[sender].worker is self._worker  # else: only to its own worker
+        ):
             self._on_session(self._sessions[sender], kind, sender, tid, code, blob)
         else:
             self._unauth += 1
@@ -994,7 +1181,7 @@ class UcxReceiver(_Service, Receiver):
                 err = AuthError("the sender asked to authenticate; this receiver has no secret")
                 self._reject(sender, ep, err, fail)
             else:
-                self._admit(sender, ep, legacy_tags(sender), errh)
+                self._admit(sender, ep, legacy_tags(sender), errh, address)
             return
         if not wants_auth:
             self._reject(sender, ep, AuthError("the sender skipped authentication"), fail)
@@ -1013,7 +1200,7 @@ class UcxReceiver(_Service, Receiver):
         except AuthError as exc:
             self._reject(sender, ep, exc, hs.data_to_send() or fail)
             return
-        p = _Pending(hs, ep, n_i, challenge_nonce(mine), errh)
+        p = _Pending(hs, ep, n_i, challenge_nonce(mine), errh, address)
         self._pending_auth[sender] = p
         self._send_ctrl(
             ep, K_TAG_CTRL_TX | sender, _pack(_Ctl.AUTH, sender, 0, 0, mine + hs.data_to_send())
@@ -1042,30 +1229,100 @@ class UcxReceiver(_Service, Receiver):
             err = AuthError("unusable UCX session (tag collision or trailing bytes)")
             self._reject(sender, p.ep, err, AuthFrame(AuthKind.FAIL).encode())
             return
-        self._admit(sender, p.ep, tags, p.errh)
+        self._admit(sender, p.ep, tags, p.errh, p.address)
 
-    def _admit(self, sender: int, ep: Any, tags: SessionTags, errh: bool = False) -> None:
-        if len(self._sessions) >= K_MAX_SESSIONS:
-            self._evict_session()
-        s = _Session(sender, ep, tags, errh)
-        if tags.rx_tag != K_TAG_CTRL_RX:  # an authenticated session: its own inbox
-            s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m))
-            self._session_tags.add(tags.rx_tag)
+    def _admit(
+        self, sender: int, ep: Any, tags: SessionTags, errh: bool = False, address: bytes = b""
+    ) -> None:
+        """Admit a sender: with session workers, a UCX worker of its own for its
+        data and control messages, whose address goes out in the ACCEPT."""
+        bound = K_MAX_SESSION_WORKERS if self.session_workers else K_MAX_SESSIONS
+        if len(self._sessions) + len(self._retiring) >= bound and not self._evict_session():
+            exc = AuthError(f"{bound} UCX sender sessions are busy; admission refused")
+            self._reject(sender, ep, exc, AuthFrame(AuthKind.FAIL).encode())
+            return
+        if not self.session_workers:
+            s = _Session(sender, ep, tags, self._worker, errh)
+            if tags.rx_tag != K_TAG_CTRL_RX:  # an authenticated session: its own inbox
+                s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m))
+                self._session_tags.add(tags.rx_tag)
+            self._sessions[sender] = s
+            self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0))
+            return
+        try:
+            w = UcxWorker(spin_us=self._spin_us, context_of=self._worker)
+            back = w.connect(address, error_handling=errh)
+        except (TransportError, PeerUnavailable) as exc:
+            log.warning("no UCX worker for sender %08x: %s", sender, exc)
+            return
+        s = _Session(sender, back, tags, w, errh)
+        s.hello_ep = ep
+        # Its inbox is posted before the ACCEPT leaves: a START sent right after
+        # it finds the receive (or waits in this worker's unexpected queue).
+        s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m), w)
+        self._session_tags.add(tags.rx_tag)
         self._sessions[sender] = s
-        self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0))
+        self._nursery.start_soon(self._run_session, s)
+        self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0, 0, w.address))
 
-    def _evict_session(self) -> None:
+    @staticmethod
+    async def _run_session(s: _Session) -> None:
+        with s.scope:
+            await s.worker.run()
+
+    def _evict_session(self) -> bool:
+        """Drop the oldest idle session (or a retiring one); whether one went."""
+        for r in list(self._retiring.values()):  # ending already: retire it now if idle
+            if self._retire_if_idle(r):
+                return True
         busy = {t.sender for t in self._transfers.values() if t.state is TransferState.RUNNING}
+        busy |= {t.sender for t in self._transfers.values() if t.draining}
         for sid, s in self._sessions.items():  # oldest first
             if sid not in busy:
                 self._drop_session(s)
-                return
+                return True
+        return False
 
-    def _drop_session(self, s: _Session) -> None:
+    def _drop_session(self, s: _Session, *, retire: bool = True) -> None:
+        """The sender is no longer admitted; its worker is retired once nothing is posted."""
         del self._sessions[s.sid]
+        s.dropped = True
         self._session_tags.discard(s.tags.rx_tag)
         if s.inbox is not None:
             self._unlisten(s.inbox)
+        if self._last_worker is s.worker:
+            self._last_worker = None
+        if retire and s.worker is not self._worker and not s.worker.halted:
+            self._retiring[s.sid] = s
+            self._retire_if_idle(s)
+
+    def _retire_if_idle(self, s: _Session) -> bool:
+        """Stop and drop a dropped session's worker if no receive of it can still
+        write into granted memory (running or draining transfers); whether it went."""
+        w = s.worker
+        if w.closed:
+            return True
+        if w.halted or any(
+            t.worker is w and (t.state is TransferState.RUNNING or t.draining)
+            for t in self._transfers.values()
+        ):
+            return False
+        if self._retiring.get(s.sid) is s:
+            del self._retiring[s.sid]
+        s.scope.cancel()
+        self._retired_epoll += w.epoll_waits
+        w.close()  # its requests are dropped; the UCX worker goes with the last reference
+        for t in self._transfers.values():  # finished ones, kept for late waiters
+            if t.worker is w:
+                t.worker, t.session = self._worker, None
+        s.ep = s.hello_ep = s.inbox = None
+        return True
+
+    async def _retire_later(self, s: _Session) -> None:
+        # A BYE: the sender still flushes its endpoint to this worker; let it.
+        await trio.sleep(K_BYE_GRACE_S)
+        if self._retiring.get(s.sid) is s:
+            self._retire_if_idle(s)
 
     async def _auth_deadline(self, sender: int, p: _Pending) -> None:
         with p.scope:
@@ -1084,9 +1341,22 @@ class UcxReceiver(_Service, Receiver):
         """An admitted sender's control message (its session inbox)."""
         if sender != s.sid:
             raise RemoteProtocolError(f"session of {s.sid:08x} used by {sender:08x}")
+        if kind is _Ctl.BYE:
+            if self._sessions.get(s.sid) is s:
+                self._drop_session(s, retire=False)  # nothing more is told to it
+                for u in list(self._transfers.values()):  # bound and still running: cancelled
+                    if u.session is s and u.state is TransferState.RUNNING:
+                        exc = TransferCancelled("the sender closed", transfer_id=u.tid)
+                        self._finish(u, TransferState.CANCELLED, exc, None)
+                if s.worker is not self._worker and not s.worker.halted:
+                    self._retiring[s.sid] = s  # after its flush, or once its drains end
+                    self._nursery.start_soon(self._retire_later, s)
+            return
         t = self._transfers.get(tid)
         if t is None:
             return
+        if s.worker is not self._worker:
+            self._last_worker = s.worker
         if kind is _Ctl.START or kind is _Ctl.DATA:
             if t.sender is not None:  # bound to a session already: the first START stands
                 if t.sender != s.sid:
@@ -1129,7 +1399,7 @@ class UcxReceiver(_Service, Receiver):
         """Wait until every granted byte landed. Cancelling the wait leaves the grant."""
         t = self._get(transfer_id)
         if self._should_poll(t.total):
-            await self._poll_wait(t.done)
+            await self._poll_wait(t.done, self._poll_worker(t))
         else:
             await t.done.wait()
         if t.error is not None:
@@ -1141,11 +1411,22 @@ class UcxReceiver(_Service, Receiver):
         if not t.layer_events:
             raise LocalProtocolError("grant was made without num_layers", transfer_id=transfer_id)
         if self._should_poll(t.total):
-            await self._poll_wait(t.layer_events[layer])
+            await self._poll_wait(t.layer_events[layer], self._poll_worker(t))
         else:
             await t.layer_events[layer].wait()
         if t.error is not None:
             raise t.error
+
+    def _poll_worker(self, t: _RxTransfer) -> UcxWorker:
+        """The worker a low-latency wait polls: the transfer's session's, or (not
+        bound yet) the one the latest START came to, or else the only session's."""
+        if t.sender is not None:
+            return t.worker
+        if self._last_worker is not None:
+            return self._last_worker
+        if len(self._sessions) == 1:
+            return next(iter(self._sessions.values())).worker
+        return self._worker
 
     def cancel(self, transfer_id: int) -> None:
         """Revoke the grant: posted receives are cancelled, the sender told. Idempotent.
@@ -1168,7 +1449,7 @@ class UcxReceiver(_Service, Receiver):
             running,
             self._ok,
             self._failed,
-            self._worker.epoll_waits,
+            self._retired_epoll + sum(w.epoll_waits for w in self._workers()),
             self._done_msgs,
             len(self._sessions),
             self.auth_failures,
@@ -1179,6 +1460,10 @@ class UcxReceiver(_Service, Receiver):
             self._drains,
             self.path_error is not None,
             self._peers_lost,
+            sum(s.worker is not self._worker for s in self._sessions.values())
+            + len(self._retiring)
+            + len(self._halted),
+            len(self._halted),
         )
 
 
@@ -1348,7 +1633,8 @@ class UcxSender(_Service, Sender):
         self._transfers: dict[int, UcxTransfer] = {}
         self._inflight = 0
         self._bytes = self._staged = self._pieces = self._ok = self._inline = 0
-        self._ep: Any = None
+        self._ep: Any = None  # to the receiver's public worker (HELLO, the handshake)
+        self._data_ep: Any = None  # to our session's worker there (everything else)
         self._open_ok = False  # admitted by the receiver
         self._tags = legacy_tags(self.sender_id)
         self._lens_cache: dict[str, tuple[Any, Any, list[int]]] = {}
@@ -1356,7 +1642,7 @@ class UcxSender(_Service, Sender):
         self._hs: AuthHandshake | None = None
         self._n_i = b""
         self._admitted = trio.Event()
-        self._auth_error: AuthError | None = None
+        self._auth_error: PddnetError | None = None
         self._public: _Inbox | None = None
 
     async def __aenter__(self) -> UcxSender:
@@ -1462,32 +1748,39 @@ class UcxSender(_Service, Sender):
             with trio.move_on_after(K_SEND_DRAIN_S):
                 while self._inflight > 0:
                     await trio.sleep(0.002)
-        if (
-            self._stack is not None
-            and self._ep is not None
-            and not self._worker.halted
-            and self._ep_alive()
-        ):
-            # A graceful endpoint close flushes what UCX still holds for the
-            # receiver; without it a process exiting right after a cancel could
-            # cut a rendezvous short, and the receiver's drain would time out.
-            try:
-                req = self._ep.close()
-            except Exception as exc:  # already closed or failed: nothing to flush
-                log.debug("UCX endpoint close failed: %s", exc)
-            else:
-                with trio.move_on_after(K_SEND_DRAIN_S):
-                    while not req.completed:
-                        self._worker._wake()
-                        await trio.sleep(0.002)
+        if self._stack is not None and self._open_ok and self._ep_alive(self._data_ep):
+            # The session ends: the receiver retires its worker for us.
+            self._send_ctrl(self._data_ep, self._tags.rx_tag, _pack(_Ctl.BYE, self.sender_id, 0))
+        eps = [self._data_ep] if self._data_ep is not self._ep else []
+        for ep in [*eps, self._ep]:
+            await self._close_ep(ep)
         await self._close()
 
-    def _ep_alive(self) -> bool:
-        """Whether our endpoint is still up. With UCX error handling, ucxx closes
-        an endpoint whose peer failed; closing it again returned a request whose
-        ``completed`` crashed the process (SIGSEGV, measured: receiver killed)."""
+    async def _close_ep(self, ep: Any) -> None:
+        """Close ``ep`` gracefully (bounded): it flushes what UCX still holds for
+        the receiver; without it a process exiting right after a cancel could
+        cut a rendezvous short, and the receiver's drain would time out."""
+        if self._stack is None or ep is None or self._worker.halted or not self._ep_alive(ep):
+            return
         try:
-            return bool(self._ep.alive)
+            req = ep.close()
+        except Exception as exc:  # already closed or failed: nothing to flush
+            log.debug("UCX endpoint close failed: %s", exc)
+            return
+        with trio.move_on_after(K_SEND_DRAIN_S):
+            while not req.completed:
+                self._worker._wake()
+                await trio.sleep(0.002)
+
+    @staticmethod
+    def _ep_alive(ep: Any) -> bool:
+        """Whether ``ep`` is still up. With UCX error handling, ucxx closes an
+        endpoint whose peer failed; closing it again returned a request whose
+        ``completed`` crashed the process (SIGSEGV, measured: receiver killed)."""
+        if ep is None:
+            return False
+        try:
+            return bool(ep.alive)
         except Exception:  # an older ucxx: assume it is
             return True
 
@@ -1553,7 +1846,7 @@ class UcxSender(_Service, Sender):
         mvs = t._mvs
         data = b"".join(bytes(mvs[b][o : o + n]) for src in t._sources for b, o, n in src)
         msg = _pack(_Ctl.DATA, self.sender_id, t.transfer_id, 0, data)
-        self._send_ctrl(self._ep, self._tags.rx_tag, msg)
+        self._send_ctrl(self._data_ep, self._tags.rx_tag, msg)
         t.remaining = 0
         self._inline += 1
         self._pieces += len(t._sources) - 1  # _account counts one
@@ -1562,7 +1855,7 @@ class UcxSender(_Service, Sender):
     def _start(self, t: UcxTransfer) -> None:
         t.started = True
         msg = _pack(_Ctl.START, self.sender_id, t.transfer_id)
-        self._send_ctrl(self._ep, self._tags.rx_tag, msg)
+        self._send_ctrl(self._data_ep, self._tags.rx_tag, msg)
 
     def _piece_list(self, lens: str, total: int) -> tuple[Any, Any, list[int]]:
         """A grant's piece lengths, their logical bounds, and the lengths as a list.
@@ -1619,7 +1912,7 @@ class UcxSender(_Service, Sender):
             slot: list[int] = []
             tag = self._tags.data_tag(t.transfer_id, i)
             t.remaining -= n
-            h = self._worker.send(self._ep, buf, tag, self._sent(t, n, slot), queue=t.queue)
+            h = self._worker.send(self._data_ep, buf, tag, self._sent(t, n, slot), queue=t.queue)
             if h == 0:  # completed while posted (eager): account for it now
                 self._account(t, n)
                 inline += 1
@@ -1686,7 +1979,7 @@ class UcxSender(_Service, Sender):
                 t._progress(t.transfer_id, t.grant.total, t.grant.total)
         if code is not None and self._open_ok:
             msg = _pack(_Ctl.CANCEL, self.sender_id, t.transfer_id, code)
-            self._send_ctrl(self._ep, self._tags.rx_tag, msg)
+            self._send_ctrl(self._data_ep, self._tags.rx_tag, msg)
         del self._transfers[t.transfer_id]
         t._done.set()
         self._pump()
@@ -1697,6 +1990,19 @@ class UcxSender(_Service, Sender):
             return
         if kind is _Ctl.ACCEPT:
             if not self._admitted.is_set():
+                if blob:  # the receiver's worker for this session: our data go there
+                    try:
+                        self._data_ep = self._worker.connect(
+                            blob, error_handling=self.error_handling
+                        )
+                    except PeerUnavailable as exc:
+                        self._auth_error = PeerUnavailable(
+                            f"cannot reach the receiver's session worker: {exc}", peer=self.peer
+                        )
+                        self._admitted.set()
+                        return
+                else:  # one worker for all senders there
+                    self._data_ep = self._ep
                 self._open_ok = True
                 self._admitted.set()
                 if self.secret is not None and self._public is not None:

@@ -149,6 +149,10 @@ class UcxWorker:
         spin_us: how long to keep progressing after the last event while
             awaited requests are outstanding, before sleeping on epoll.
         config: extra UCX options (without the ``UCX_`` prefix).
+        context_of: another worker whose UCX context (and transports) this
+            one shares instead of creating its own (``tls`` and ``config``
+            are then ignored). A receiver gives each sender session a worker
+            of its own this way (docs/local.md, *Dead senders*).
 
     Raises:
         MissingExtraError: if ucxx is not installed.
@@ -156,7 +160,12 @@ class UcxWorker:
     """
 
     def __init__(
-        self, *, tls: str | None = None, spin_us: float = 0.0, config: dict[str, str] | None = None
+        self,
+        *,
+        tls: str | None = None,
+        spin_us: float = 0.0,
+        config: dict[str, str] | None = None,
+        context_of: UcxWorker | None = None,
     ) -> None:
         self._ucx = require("ucxx._lib.libucxx")
         self._arr = require("ucxx._lib.arr")
@@ -167,8 +176,14 @@ class UcxWorker:
             opts["TLS"] = K_DEFAULT_TLS
         self.tls: str = opts.get("TLS") or os.environ.get("UCX_TLS", K_DEFAULT_TLS)
         ucx = self._ucx
+        self.context: Any
         try:
-            self.context = ucx.UCXContext(opts, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+            if context_of is not None:  # another worker of the same context (and transports)
+                self.tls = context_of.tls
+                self.context = context_of.context
+            else:
+                feats = (ucx.Feature.TAG, ucx.Feature.WAKEUP)
+                self.context = ucx.UCXContext(opts, feature_flags=feats)
             self.worker = ucx.UCXWorker(self.context)
             self.worker.init_blocking_progress_mode()
         except Exception as exc:
