@@ -418,3 +418,39 @@ async def test_express_stream_is_warmed_up_and_carries_no_bulk() -> None:
             await tx.send(grant, urgent.src, urgent.src_ranges, priority=1)
     case.check_complete()
     urgent.check_complete()
+
+
+def test_express_window_check() -> None:
+    from pddnet.transport.wan._pacer import TcpSample
+    from pddnet.transport.wan._sender import K_EXPRESS_MIN_WINDOW, express_window_ok
+
+    def sample(wnd: int) -> TcpSample:
+        return TcpSample(8, 0.03, 0.03, 1e6, 1 << 20, 0, snd_wnd=wnd)
+
+    assert not express_window_ok(sample(94208))  # stuck at its initial ~10 segments
+    assert express_window_ok(sample(K_EXPRESS_MIN_WINDOW))
+    assert express_window_ok(sample(0)) and express_window_ok(None)  # not reported
+
+
+async def test_narrow_express_window_reopens_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pddnet.transport.wan._sender as sender_mod
+
+    case = make_case(15, 256 << 10, pieces=2)
+    async with WanReceiver() as rx, WanSender(rx.address, streams=2) as tx:
+        await tx.wait_connected()
+        await trio.sleep(0.1)  # loopback's window is wide: connected once, kept
+        assert tx.statistics().streams[2].connects == 1 and tx._streams[2].reopens == 0
+    # every window "too narrow": re-opened K_EXPRESS_REOPENS times, then kept as it is
+    monkeypatch.setattr(sender_mod, "K_EXPRESS_MIN_WINDOW", 1 << 40)
+    async with WanReceiver() as rx, WanSender(rx.address, streams=2) as tx:
+        with trio.fail_after(10):
+            while tx.statistics().streams[2].connects <= sender_mod.K_EXPRESS_REOPENS:
+                await trio.sleep(0.01)
+        grant = rx.grant(case.dst, case.dst_ranges)
+        with trio.fail_after(10):  # urgent transfers still complete
+            await tx.send(grant, case.src, case.src_ranges, priority=1)
+        await trio.sleep(0.1)
+        assert tx.statistics().streams[2].connects == sender_mod.K_EXPRESS_REOPENS + 1
+    case.check_complete()

@@ -114,6 +114,7 @@ class TcpSample:
     bytes_retrans: int
     cwnd: int = 0
     pacing_rate: float = 0.0
+    snd_wnd: int = 0  # the peer's advertised receive window, bytes (0: not reported)
 
 
 @dataclass(frozen=True, slots=True)

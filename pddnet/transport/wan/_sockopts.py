@@ -27,7 +27,8 @@ K_TCP_INFO = getattr(socket, "TCP_INFO", 11)
 
 # struct tcp_info (<linux/tcp.h>), the fields we read, by offset:
 # rtt u32 @68 (us), snd_cwnd u32 @80, pacing_rate u64 @104, min_rtt u32 @148 (us),
-# delivery_rate u64 @160 (bytes/s), bytes_sent u64 @200, bytes_retrans u64 @208.
+# delivery_rate u64 @160 (bytes/s), bytes_sent u64 @200, bytes_retrans u64 @208,
+# snd_wnd u32 @228 (Linux 5.4+).
 _TCP_INFO_LEN = 232
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -115,4 +116,5 @@ def read_tcp_info(sock: Any, stream: int) -> TcpSample | None:
         bytes_retrans=_U64.unpack_from(raw, 208)[0],
         cwnd=_U32.unpack_from(raw, 80)[0],
         pacing_rate=float(_U64.unpack_from(raw, 104)[0]),
+        snd_wnd=_U32.unpack_from(raw, 228)[0] if len(raw) >= 232 else 0,
     )
