@@ -1000,16 +1000,9 @@ class UcxReceiver(_Service, Receiver):
         if t.worker is not self._worker and len(self._halted) < K_MAX_HALTED_WORKERS:
             self._halt_session(t, why)
             return
-        who = f"ucx-sender-{t.sender:08x}" if t.sender is not None else None
-        exc = TransportError(
-            f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
-            f"{self.drain_timeout} s after {why} (UCX cannot cancel a receive whose data "
-            f"is in flight); the receiver halted its UCX worker so nothing more can land, "
-            f"and is closed",
-            transfer_id=t.tid,
-            peer=who,
+        exc = self._drain_error(
+            t, why, "the receiver halted its UCX worker so nothing more can land, and is closed"
         )
-        exc.__cause__ = t.error
         self.path_error = exc
         log.error("%s", exc)
         for w in self._workers():
@@ -1030,6 +1023,18 @@ class UcxReceiver(_Service, Receiver):
                     u.state = TransferState.FAILED
                     self._release(u)
 
+    def _drain_error(self, t: _RxTransfer, why: str, what: str) -> TransportError:
+        """The error for receives of ``t`` still in flight at the drain deadline."""
+        exc = TransportError(
+            f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
+            f"{self.drain_timeout} s after {why} (UCX cannot cancel a receive whose data "
+            f"is in flight); {what}",
+            transfer_id=t.tid,
+            peer=f"ucx-sender-{t.sender:08x}" if t.sender is not None else None,
+        )
+        exc.__cause__ = t.error
+        return exc
+
     def _halt_session(self, t: _RxTransfer, why: str) -> None:
         """Halt the worker of ``t``'s session: only that sender's transfers fail.
 
@@ -1039,16 +1044,12 @@ class UcxReceiver(_Service, Receiver):
         """
         w = t.worker
         s = t.session
-        who = f"ucx-sender-{t.sender:08x}" if t.sender is not None else None
-        exc = TransportError(
-            f"{t.draining} UCX receive(s) into transfer {t.tid} were still in flight "
-            f"{self.drain_timeout} s after {why} (UCX cannot cancel a receive whose data "
-            f"is in flight); the receiver halted the UCX worker of this sender's session "
-            f"so nothing more can land, and failed that session's transfers",
-            transfer_id=t.tid,
-            peer=who,
+        exc = self._drain_error(
+            t,
+            why,
+            "the receiver halted the UCX worker of this sender's session so nothing more "
+            "can land, and failed that session's transfers",
         )
-        exc.__cause__ = t.error
         log.error("%s", exc)
         w.halt()
         self._halted.append(w)
@@ -1066,7 +1067,7 @@ class UcxReceiver(_Service, Receiver):
                 err = TransportError(
                     f"the UCX worker of this transfer's sender session was halted: {exc}",
                     transfer_id=u.tid,
-                    peer=who,
+                    peer=exc.peer,
                 )
             if u.state is TransferState.RUNNING:
                 self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
