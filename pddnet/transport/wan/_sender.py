@@ -80,11 +80,12 @@ K_DEFAULT_URGENT_PACING = 0.9
 # holes ("Express stream" in docs/wan.md).
 K_DEFAULT_EXPRESS_STREAMS = 1
 K_EXPRESS_WARMUP = 1 << 20
-# After its warm-up an express stream must have been granted a receive window of
-# at least this much, else it is re-opened (at most K_EXPRESS_REOPENS times per
-# sender): in about one fresh connection in four on the emulated WAN the
-# receiver's window stayed at its initial ~10 segments (94 KB) for good, and
-# every small transfer took three RTTs ("Express stream window" in docs/wan.md).
+# K_EXPRESS_CHECK_RTTS after connecting, an express stream must have been granted a
+# receive window of at least this much, else it is re-opened (at most
+# K_EXPRESS_REOPENS times per stream): in about one fresh connection in four on the
+# emulated WAN the receiver's window stayed at its initial ~10 segments (94 KB) for
+# good, and every small transfer took three RTTs ("Express stream window" in
+# docs/wan.md).
 K_EXPRESS_MIN_WINDOW = 256 << 10
 K_EXPRESS_REOPENS = 3
 K_EXPRESS_CHECK_RTTS = 4
@@ -144,8 +145,8 @@ def path_chunk_size(samples: Sequence[TcpSample], *, base: int, largest: int) ->
 
 
 def express_window_ok(sample: TcpSample | None) -> bool:
-    """Whether an express stream's receive window after its warm-up is wide enough
-    for urgent transfers (unknown counts as wide enough)."""
+    """Whether an express stream's receive window is wide enough for urgent
+    transfers (a kernel that does not report it counts as wide enough)."""
     return sample is None or sample.snd_wnd == 0 or sample.snd_wnd >= K_EXPRESS_MIN_WINDOW
 
 
