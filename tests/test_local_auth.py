@@ -54,6 +54,8 @@ async def main():
         print(json.dumps([[g.transfer_id, g.total, g.address] for g in (ga, gb)]), flush=True)
         with trio.fail_after(30):
             await rx.wait_transfer(gb.transfer_id)
+            # admitted sessions now, before the honest sender's BYE retires its own
+            senders = rx.statistics().senders
             while rx.statistics().auth_failures < 3:  # wrong secret, no secret, raw HELLO
                 await trio.sleep(0.01)
         want = np.full(1 << 16, 0xA5, np.uint8)
@@ -68,7 +70,7 @@ async def main():
             "auth_failures": st.auth_failures,
             "errors_typed": all(isinstance(e, AuthError) for e in rx.auth_errors),
             "errors": [str(e) for e in rx.auth_errors],
-            "senders": st.senders,
+            "senders": senders,
             "dropped": st.unauthenticated_dropped,
             "posted": st.pieces_posted,
         }), flush=True)
