@@ -1014,14 +1014,7 @@ class UcxReceiver(_Service, Receiver):
                     if u is t
                     else TransportError(f"the UCX receiver was closed: {exc}", transfer_id=u.tid)
                 )
-                if u.state is TransferState.RUNNING:
-                    self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
-                else:
-                    if u is not t:
-                        err.__cause__ = u.error
-                    u.error = err
-                    u.state = TransferState.FAILED
-                    self._release(u)
+                self._fail_halted(u, err, keep_cause=u is not t)
 
     def _drain_error(self, t: _RxTransfer, why: str, what: str) -> TransportError:
         """The error for receives of ``t`` still in flight at the drain deadline."""
@@ -1069,14 +1062,19 @@ class UcxReceiver(_Service, Receiver):
                     transfer_id=u.tid,
                     peer=exc.peer,
                 )
-            if u.state is TransferState.RUNNING:
-                self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
-            else:
-                if u is not t:
-                    err.__cause__ = u.error
-                u.error = err
-                u.state = TransferState.FAILED
-                self._release(u)
+            self._fail_halted(u, err, keep_cause=u is not t)
+
+    def _fail_halted(self, u: _RxTransfer, err: TransportError, *, keep_cause: bool) -> None:
+        """Fail ``u``, whose worker was halted: a running one as usual; a draining
+        one (already ended, its receives stuck) is reported ended with ``err``."""
+        if u.state is TransferState.RUNNING:
+            self._finish(u, TransferState.FAILED, err, _Code.CANCELLED)
+            return
+        if keep_cause:
+            err.__cause__ = u.error
+        u.error = err
+        u.state = TransferState.FAILED
+        self._release(u)
 
     def _release(self, t: _RxTransfer) -> None:
         """Report ``t``'s end: nothing can write into its blocks any more."""
