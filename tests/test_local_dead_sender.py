@@ -63,7 +63,7 @@ async def main():
         put("addr", rx.address)
         pid = int(await get("txpid1"))
         g = rx.grant([pool], ranges, timeout=60)
-        put("grant1", json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address]))
+        put("grant1", grant_text(g))
         sample = region[::4096]
         with trio.fail_after(20):
             while not sample.any():  # the first bytes of the payload landed
@@ -87,7 +87,7 @@ async def main():
         # a new sender, the same receiver, the same blocks
         put("go2", "1")
         g = rx.grant([pool], ranges, timeout=60)
-        put("grant2", json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address]))
+        put("grant2", grant_text(g))
         try:
             with trio.fail_after(40):
                 await rx.wait_transfer(g.transfer_id)
@@ -114,8 +114,7 @@ async def main():
     async with UcxSender(await get("addr"), secret=SECRET) as tx:
         put("txpid" + ROUND, json.dumps(os.getpid()))
         put("errh" + ROUND, json.dumps(tx.error_handling))
-        tid, total, ends, address = json.loads(await get("grant" + ROUND, 60))
-        t = tx.start(Grant(tid, total, tuple(ends), address), [src], ranges, timeout=60)
+        t = tx.start(grant_of(await get("grant" + ROUND, 60)), [src], ranges, timeout=60)
         await t.wait()
         await trio.sleep(30)  # killed (round 1) or ended by the test
 
@@ -193,7 +192,7 @@ async def main():
         put("addr", rx.address)
         await get("txpid1")
         g = rx.grant([pool], ranges, timeout=60)
-        put("grant1", json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address]))
+        put("grant1", grant_text(g))
         with trio.fail_after(20):
             while not pool[::4096].any():
                 await trio.sleep(0.0003)
@@ -213,8 +212,7 @@ async def main():
     out = {}
     async with UcxSender(await get("addr"), secret=SECRET) as tx:
         put("txpid1", json.dumps(os.getpid()))
-        tid, total, ends, address = json.loads(await get("grant1", 60))
-        t = tx.start(Grant(tid, total, tuple(ends), address), [src], ranges, timeout=60)
+        t = tx.start(grant_of(await get("grant1", 60)), [src], ranges, timeout=60)
         try:
             with trio.fail_after(30):
                 await t.wait()

@@ -68,7 +68,7 @@ async def main():
         put("addr", rx.address)
         pid = int(await get("txpid"))  # admitted: the grant's clock starts now
         g = rx.grant([pool], ranges, timeout=1.5 if MODE == "timeout" else 60)
-        put("grant", json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address]))
+        put("grant", grant_text(g))
         sample = region[::4096]
         with trio.fail_after(20):
             while not sample.any():  # the first bytes of the payload landed
@@ -147,8 +147,7 @@ async def main():
     ranges = ByteRanges.build([0], [0], [N], [0])
     async with UcxSender(await get("addr"), secret=SECRET, tls=TLS) as tx:
         put("txpid", str(os.getpid()))
-        tid, total, ends, address = json.loads(await get("grant"))
-        g = Grant(tid, total, tuple(ends), address)
+        g = grant_of(await get("grant"))
         t = tx.start(g, [src], ranges, timeout=60)
 
         async def cancel_when_told():

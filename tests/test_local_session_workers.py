@@ -57,13 +57,6 @@ KB = 4
 def b_bytes(i):
     return np.random.default_rng(1000 + i).integers(0, 256, NB, dtype=np.uint8)
 
-def enc(g):
-    return json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address])
-
-def dec(text):
-    tid, total, ends, address = json.loads(text)
-    return Grant(tid, total, tuple(ends), address)
-
 """
     + FILES
 )
@@ -97,7 +90,7 @@ async def main():
                 except PddnetError as exc:  # the receiver's path is closed
                     out["b"].append([i, "grant", type(exc).__name__ + ": " + str(exc), False])
                     break
-                put(f"gB{i}", enc(g))
+                put(f"gB{i}", grant_text(g))
                 try:
                     with trio.fail_after(20):
                         await rx.wait_transfer(g.transfer_id)
@@ -115,7 +108,7 @@ async def main():
             while len(out["b"]) < 3:  # B works before anything happens to A
                 await trio.sleep(0.01)
             g = rx.grant([pool], ra, timeout=60)
-            put("gA", enc(g))
+            put("gA", grant_text(g))
             sample = region[::4096]
             with trio.fail_after(20):
                 while not sample.any():  # the first bytes of A's payload landed
@@ -166,7 +159,7 @@ async def main():
         if ROLE == "A":
             src = np.full(N, 0xAB, np.uint8)
             ra = ByteRanges.build([0] * K, np.arange(K) * (N // K), [N // K] * K, np.arange(K) // 4)
-            t = tx.start(dec(await get("gA")), [src], ra, timeout=60)
+            t = tx.start(grant_of(await get("gA")), [src], ra, timeout=60)
             await t.wait()
             await trio.sleep(60)  # killed by the receiver
         rb = ByteRanges.build([0] * KB, np.arange(KB) * (NB // KB), [NB // KB] * KB, [0] * KB)
@@ -177,7 +170,7 @@ async def main():
                 break
             try:
                 with trio.fail_after(20):
-                    await tx.send(dec(text), [b_bytes(i)], rb)
+                    await tx.send(grant_of(text), [b_bytes(i)], rb)
             except PddnetError:
                 pass  # the receiver records the outcome
             i += 1

@@ -14,8 +14,16 @@ os._exit(0)
 """
 
 # Two children that meet through files in the directory D: put(name, text) publishes
-# atomically, await get(name) waits for it; finish(fn) runs fn as RUN_MAIN runs main.
+# atomically, await get(name) waits for it; finish(fn) runs fn as RUN_MAIN runs main;
+# grant_text(g) / grant_of(text) carry a Grant between them (json and Grant imported).
 FILES = """
+def grant_text(g):
+    return json.dumps([g.transfer_id, g.total, list(g.layer_ends), g.address])
+
+def grant_of(text):
+    tid, total, ends, address = json.loads(text)
+    return Grant(tid, total, tuple(ends), address)
+
 def put(name, text):
     with open(os.path.join(D, name + ".tmp"), "w") as f:
         f.write(text)
