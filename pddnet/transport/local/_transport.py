@@ -380,6 +380,7 @@ class _Service(ABC):
         self._poll_s = max(0.0, busy_poll_us) * 1e-6
         self._poll_max = busy_poll_max_bytes
         self._last_yield = 0.0
+        self._progress_first = False  # a handler asks: progress before the inbox repost
         self.ctrl_dropped = 0
         self._stack: AsyncExitStack | None = None
 
@@ -447,7 +448,12 @@ class _Service(ABC):
                     self._drop_ctrl(exc)
             if box.closed:
                 return
-            if w.polling:  # latency first: after this round's DONE, off the path
+            if w.polling or self._progress_first:
+                # Latency first: repost after the next progress batch, which
+                # runs the copy a large START's receives matched, or the tasks
+                # a DONE woke. A message arriving meanwhile waits in UCX's
+                # unexpected queue.
+                self._progress_first = False
                 w.defer(repost)
             else:  # at once: a burst of messages is handled (and answered) in one round
                 self._post_inbox(box)
@@ -855,6 +861,7 @@ class UcxReceiver(_Service, Receiver):
         t.queues = list(queues.values())
         t.targets = []
         self._posted += len(t.handles)
+        self._progress_first = t.total > K_POLL_MAX_BYTES  # its copy may start now
 
     def _place_inline(self, t: _RxTransfer, s: _Session, blob: bytes) -> None:
         """A small transfer's bytes, inline in its DATA message: exact size or rejected."""
@@ -1100,12 +1107,17 @@ class UcxReceiver(_Service, Receiver):
         s = self._sessions.get(t.sender) if t.sender is not None else None
         if s is None:
             return
-        if code is None:  # DONE: batched per sender until this round of completions ends
+        if code is None:
+            # DONE: the round's first leaves at once (its sender is waiting),
+            # later ones batch until the round of completions ends
+            # (docs/local.md, *Per-transfer cost*).
             tids = self._done_out.get(s.sid)
             if tids is None:
-                tids = self._done_out[s.sid] = []
+                self._done_out[s.sid] = []
                 s.worker.after_reap(lambda: self._flush_done(s.sid))
-            tids.append(t.tid)
+                self._send_done(s, [t.tid])
+            else:
+                tids.append(t.tid)
             return
         msg = _pack(_Ctl.CANCEL, s.sid, t.tid, code)
         self._send_ctrl(s.ep, s.tags.tx_tag, msg, s.worker)
@@ -1114,12 +1126,14 @@ class UcxReceiver(_Service, Receiver):
         """One DONE for ``sender``: the first transfer id in the header, the rest as u32s."""
         tids = self._done_out.pop(sender, None)
         s = self._sessions.get(sender)
-        if s is None or not tids:
-            return
+        if s is not None and tids:
+            self._send_done(s, tids)
+
+    def _send_done(self, s: _Session, tids: list[int]) -> None:
         for i in range(0, len(tids), K_DONE_BATCH):
             part = tids[i : i + K_DONE_BATCH]
             more = struct.pack(f"<{len(part) - 1}I", *part[1:])
-            msg = _pack(_Ctl.DONE, sender, part[0], 0, more)
+            msg = _pack(_Ctl.DONE, s.sid, part[0], 0, more)
             self._send_ctrl(s.ep, s.tags.tx_tag, msg, s.worker)
             self._done_msgs += 1
 
@@ -1812,6 +1826,15 @@ class UcxSender(_Service, Sender):
                 transfer_id=grant.transfer_id,
             )
         lengths, bounds, length_list = self._piece_list(lens, grant.total)
+        if grant.transfer_id in self._transfers:
+            raise LocalProtocolError("transfer already running", transfer_id=grant.transfer_id)
+        inline = ready and flags == "i" and grant.total <= K_INLINE_MAX
+        early = ready and not inline and grant.total > 0
+        if early:
+            # START first: the receiver's wake-up overlaps the bookkeeping
+            # below, and the first piece usually arrives while the receiver is
+            # still handling START (docs/local.md, *Per-transfer cost*).
+            self._send_start(grant.transfer_id)
         src_len = ranges.length.tolist()  # plain lists: cheaper than NumPy for few pieces
         bufs, offs = ranges.buffer.tolist(), ranges.offset.tolist()
         if 0 in src_len:
@@ -1825,14 +1848,13 @@ class UcxSender(_Service, Sender):
                 ranges.pieces(int(bounds[i]), int(bounds[i + 1])) for i in range(lengths.size)
             ]
         t = UcxTransfer(self, grant, sources, bounds, _flat_views(views), priority, progress)
-        if grant.transfer_id in self._transfers:
-            raise LocalProtocolError("transfer already running", transfer_id=grant.transfer_id)
+        t.started = early
         self._transfers[grant.transfer_id] = t
         if timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
-        if ready and sources and flags == "i" and grant.total <= K_INLINE_MAX:
+        if inline and sources:
             self._send_inline(t)
-        elif ready and sources:  # START goes with the first piece (see _pump)
+        elif ready and sources:  # START left already, or goes with the first piece (_pump)
             t.mark_ready(0, grant.total)
         else:  # START now: the receiver can report its own deadline, cancel or DONE
             self._start(t)
@@ -1853,8 +1875,10 @@ class UcxSender(_Service, Sender):
 
     def _start(self, t: UcxTransfer) -> None:
         t.started = True
-        msg = _pack(_Ctl.START, self.sender_id, t.transfer_id)
-        self._send_ctrl(self._data_ep, self._tags.rx_tag, msg)
+        self._send_start(t.transfer_id)
+
+    def _send_start(self, tid: int) -> None:
+        self._send_ctrl(self._data_ep, self._tags.rx_tag, _pack(_Ctl.START, self.sender_id, tid))
 
     def _piece_list(self, lens: str, total: int) -> tuple[Any, Any, list[int]]:
         """A grant's piece lengths, their logical bounds, and the lengths as a list.
@@ -2012,6 +2036,7 @@ class UcxSender(_Service, Sender):
         if kind is _Ctl.DONE:  # a batch: tid, then more u32 transfer ids in the blob
             if len(blob) % 4:
                 raise RemoteProtocolError("malformed DONE batch", peer=self.peer)
+            self._progress_first = True  # the waiting tasks run before the repost
             for done in (tid, *struct.unpack(f"<{len(blob) // 4}I", blob)):
                 t = self._transfers.get(done)
                 if t is not None:

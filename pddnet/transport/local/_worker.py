@@ -434,13 +434,13 @@ class UcxWorker:
 
     def _poll(self, worker: Any, done: Callable[[], bool], end: float) -> bool:
         while not self.halted:
-            self._run_deferred()
             made = False
             for _ in range(K_PROGRESS_BATCH):
                 if not worker.progress_once():
                     break
                 made = True
             self.poll_rounds += 1
+            self._run_deferred()
             self._dirty = False
             self._reap()
             self._run_after()
@@ -467,9 +467,9 @@ class UcxWorker:
             self._wake()
 
     def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` at the start of the next progress round: work off the
-        latency path (re-posting a control inbox; a message arriving meanwhile
-        waits in UCX's unexpected queue)."""
+        """Run ``fn`` after the next batch of progress: work off the latency
+        path (re-posting a control inbox; a message arriving meanwhile waits in
+        UCX's unexpected queue)."""
         self._deferred.append(fn)
         self._dirty = True
         if not self.polling:
@@ -511,6 +511,9 @@ class UcxWorker:
             if made:
                 last_event = time.perf_counter()
                 idle_naps = 0
+            # Deferred work runs after a progress batch: a rendezvous that the
+            # last round's receives matched has started (or finished) by now.
+            self._run_deferred()
             # Requests complete inside progress, or inline when posted: with
             # neither, there is nothing to reap.
             completed = self.completions
@@ -518,14 +521,13 @@ class UcxWorker:
                 self._dirty = False
                 self._reap()
                 self._run_after()
-                self._run_deferred()
             woke_by_tick = False
             if self.completions != completed:
                 # Completions may have woken tasks (a wait_transfer): let them run
                 # now, not after the next transfer's data (measured: a receiver
                 # learned of a 16 MiB transfer 3 ms after its DONE had left).
                 await trio.lowlevel.checkpoint()
-            if self._dirty:  # deferred work posted requests (maybe complete already): reap first
+            if self._dirty or self._deferred:  # new requests (maybe complete already), work to run
                 busy += 1
                 if busy % K_ARM_RETRIES == 0:
                     await trio.lowlevel.checkpoint()
