@@ -60,13 +60,17 @@ async def main():
     pool = np.zeros(N + 2 * G, np.uint8)
     region = pool[G : G + N]
     ranges = ByteRanges.build([0], [G], [N], [0])
-    drain = 2.0 if MODE == "cancel_hold" else 20.0
+    drain = 2.0 if MODE in ("cancel_hold", "halt_tell") else 20.0
     out = {}
     async with trio.open_nursery() as nursery, UcxReceiver(
         secret=SECRET, tls=TLS, drain_timeout=drain
     ) as rx:
         put("addr", rx.address)
         pid = int(await get("txpid"))  # admitted: the grant's clock starts now
+        if MODE == "halt_tell":  # a second transfer of the same session, never made ready
+            other = np.zeros(1 << 20, np.uint8)
+            g2 = rx.grant([other], ByteRanges.build([0], [0], [1 << 20], [0]), timeout=60)
+            put("grant2", grant_text(g2))
         g = rx.grant([pool], ranges, timeout=1.5 if MODE == "timeout" else 60)
         put("grant", grant_text(g))
         sample = region[::4096]
@@ -100,7 +104,7 @@ async def main():
             region[:] = NEW  # the engine reuses the blocks at once
             ended.set()
 
-        if MODE == "cancel_hold":  # the sender stays stopped until the end is reported
+        if MODE in ("cancel_hold", "halt_tell"):  # the sender stays stopped until the end
             rx.cancel(g.transfer_id)
         elif MODE == "cancel_pause":  # it goes on 0.3 s after the cancel
             rx.cancel(g.transfer_id)
@@ -118,8 +122,10 @@ async def main():
             await ended.wait()
         else:
             await wait_end()
-        if MODE == "cancel_hold":
+        if MODE in ("cancel_hold", "halt_tell"):
             os.kill(pid, signal.SIGCONT)
+        if MODE == "halt_tell":  # what the resumed sender learnt
+            out["sender"] = json.loads(await get("sender_out", 20))
         await trio.sleep(1.0)  # the rest of the old payload, if anything, arrives now
         out["landed_after_end"] = int(np.count_nonzero(region != NEW))
         out["guards"] = int(np.count_nonzero(pool[:G])) + int(np.count_nonzero(pool[G + N :]))
@@ -147,6 +153,11 @@ async def main():
     ranges = ByteRanges.build([0], [0], [N], [0])
     async with UcxSender(await get("addr"), secret=SECRET, tls=TLS) as tx:
         put("txpid", str(os.getpid()))
+        if MODE == "halt_tell":  # its START binds the second grant to this session
+            src2 = np.full(1 << 20, 0xCD, np.uint8)
+            r2 = ByteRanges.build([0], [0], [1 << 20], [0])
+            g2 = grant_of(await get("grant2"))
+            t2 = tx.start(g2, [src2], r2, ready=False, timeout=60)
         g = grant_of(await get("grant"))
         t = tx.start(g, [src], ranges, timeout=60)
 
@@ -163,6 +174,22 @@ async def main():
             except PddnetError as exc:
                 print("ENDED", type(exc).__name__, flush=True)
             nursery.cancel_scope.cancel()
+        if MODE == "halt_tell":
+            res = {}
+            try:
+                with trio.fail_after(10):
+                    await t2.wait()
+                res["t2"] = "done"
+            except PddnetError as exc:
+                res["t2"], res["t2_error"] = type(exc).__name__, str(exc)
+            except trio.TooSlowError:
+                res["t2"] = "no end within 10 s"
+            try:
+                tx.start(g2, [src2], r2)
+                res["start_after"] = "ok"
+            except PddnetError as exc:
+                res["start_after"] = type(exc).__name__
+            put("sender_out", json.dumps(res))
         await trio.sleep(30)  # a live sender (P) keeps its worker going; killed by the test
 
 finish(main)
@@ -239,6 +266,21 @@ def test_stalled_sender_halts_its_session_after_the_drain_deadline() -> None:
     assert r["guards"] == 0, r
     assert r["path_closed"] is False and r["sessions_halted"] == 1, r
     assert r["grant_after"] == "ok", r
+
+
+def test_a_halted_session_tells_its_sender() -> None:
+    """The session's worker is halted while the sender is stopped; once it goes on,
+    its other running transfer fails at once (not at its own 60 s deadline), and
+    so does a new ``start``: the receiver said so through its public worker."""
+    r = run_pair("halt_tell")
+    assert r["end"] == "TransportError" and r["sessions_halted"] == 1, r
+    sender = r["sender"]
+    assert isinstance(sender, dict), r
+    assert sender["t2"] == "TransportError", r  # without the notice: "no end within 10 s"
+    assert "halted the UCX worker of this sender's session" in sender["t2_error"], r
+    assert sender["start_after"] == "TransportError", r
+    assert r["landed_after_end"] == 0 and r["guards"] == 0, r
+    assert r["path_closed"] is False and r["grant_after"] == "ok", r
 
 
 def test_grant_deadline_waits_for_the_receive_in_flight() -> None:

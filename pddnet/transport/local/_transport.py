@@ -214,6 +214,7 @@ class _Code(enum.IntEnum):
     CANCELLED = 1
     TIMEOUT = 2
     REJECTED = 3
+    HALTED = 4  # the receiver halted this session's UCX worker: every transfer of it failed
 
 
 _HDR = struct.Struct("<IBBII")  # length (of the rest), kind, code, sender, transfer id
@@ -1054,6 +1055,11 @@ class UcxReceiver(_Service, Receiver):
         w.halt()
         self._halted.append(w)
         if s is not None:
+            if s.hello_ep is not None and not self._worker.halted:
+                # Tell the sender through the public worker (tag matching ignores
+                # which worker sent it), else it would wait for its own deadlines.
+                msg = _pack(_Ctl.CANCEL, s.sid, t.tid, _Code.HALTED)
+                self._send_ctrl(s.hello_ep, s.tags.tx_tag, msg)
             s.scope.cancel()  # its progress task: a halted worker has nothing to do
             if self._retiring.get(s.sid) is s:
                 del self._retiring[s.sid]
@@ -1649,6 +1655,7 @@ class UcxSender(_Service, Sender):
         self._ep: Any = None  # to the receiver's public worker (HELLO, the handshake)
         self._data_ep: Any = None  # to our session's worker there (everything else)
         self._open_ok = False  # admitted by the receiver
+        self._halted_error = ""  # why the receiver halted our session (then start() raises)
         self._tags = legacy_tags(self.sender_id)
         self._lens_cache: dict[str, tuple[Any, Any, list[int]]] = {}
         self._resume_pending = False
@@ -1813,9 +1820,13 @@ class UcxSender(_Service, Sender):
         Raises:
             LocalProtocolError: if the ranges do not match the grant, the grant
                 is for another receiver, or the sender is not open.
+            TransportError: if the receiver halted this sender's session (its
+                drain deadline; see docs/local.md): open a new sender.
         """
         if not self._open_ok:
             raise LocalProtocolError("UcxSender used outside `async with`")
+        if self._halted_error:
+            raise TransportError(self._halted_error, transfer_id=grant.transfer_id, peer=self.peer)
         peer, _, lens = grant.address.partition("#")
         lens, _, flags = lens.partition("#")
         if peer != self.peer:
@@ -2042,6 +2053,9 @@ class UcxSender(_Service, Sender):
                 if t is not None:
                     self._end(t, TransferState.DONE, None, None)
             return
+        if kind is _Ctl.CANCEL and code == _Code.HALTED:
+            self._session_halted()
+            return
         t = self._transfers.get(tid)
         if t is None:
             return
@@ -2049,6 +2063,18 @@ class UcxSender(_Service, Sender):
             err = _error_for(code, tid, "receiver")
             state = TransferState.CANCELLED if code == _Code.CANCELLED else TransferState.FAILED
             self._end(t, state, err, None)
+
+    def _session_halted(self) -> None:
+        """The receiver halted our session's UCX worker: nothing we send is taken any more."""
+        why = (
+            "the receiver halted the UCX worker of this sender's session (a receive into "
+            "one of its grants was still in flight at its drain deadline) and failed its "
+            "transfers; open a new UcxSender"
+        )
+        self._halted_error = why
+        for t in list(self._transfers.values()):
+            exc = TransportError(why, transfer_id=t.transfer_id, peer=self.peer)
+            self._end(t, TransferState.FAILED, exc, None)
 
     def statistics(self) -> UcxSenderStatistics:
         return UcxSenderStatistics(
