@@ -41,8 +41,8 @@ A peer that cannot be installed or run gets its exact error in the JSON, and
 the run goes on.
 
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
-16 MiB time moves by a third from run to run (where the buffers land in the
-shared L3 and how busy the host is), more than the differences measured. So
+16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
+the same code), more than the differences measured. So
 after the table, ``--rounds`` rounds run pddnet, raw ucxx and NIXL (``sm``,
 16 MiB) back to back, the order rotating each round, and
 ``ratio_vs_raw_ucxx_16mib`` / ``ratio_vs_nixl_16mib`` are the medians of the
@@ -462,7 +462,7 @@ def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, l
     """Median µs per ``size`` transfer of pddnet, raw ucxx and NIXL (``sm``), per round.
 
     Each round runs the three back to back in fresh processes, the order
-    rotating, so the ratios compare runs minutes apart at most seconds.
+    rotating, so each ratio compares runs seconds apart rather than minutes.
     """
     names = [n for n in K_PAIRED if not args.only or n in args.only]
     rounds = args.rounds if args.rounds is not None else (7 if args.quick else 11)
@@ -550,8 +550,9 @@ def main(args: argparse.Namespace) -> int:
     paired = _paired_rounds(run, args, mib16)
 
     def paired_ratio(peer: str) -> tuple[float | None, list[float]]:
-        mine, theirs = paired.get("pddnet", []), paired.get(peer, [])
-        ratios = [b / a for a, b in zip(mine, theirs, strict=False) if a and b]
+        if peer not in paired:
+            return None, []
+        ratios = [b / a for a, b in zip(paired["pddnet"], paired[peer], strict=True) if a and b]
         return (float(np.median(ratios)) if ratios else None), ratios
 
     def pick(impl: str, mode: str, size: int, field: str) -> float | None:
