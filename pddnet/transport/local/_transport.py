@@ -173,6 +173,7 @@ K_INLINE_MAX = 8192 - 64
 # rendezvous transfer in flight); if such a receive has not completed after this
 # long, the receiver halts its UCX worker (see UcxReceiver, drain_timeout).
 K_DRAIN_TIMEOUT_S = 5.0
+K_EP_CLOSE_S = 0.5  # a closing receiver lets its endpoints' flushes finish for this long
 K_SEND_DRAIN_S = 2.0  # a closing sender lets sends in flight finish for this long
 # Messages whose tag no receive is posted for wait in UCX's unexpected queue,
 # which has no bound: a stranger with the worker address could fill memory
@@ -475,6 +476,8 @@ class _Service(ABC):
         box.worker.forget(box.handle)
 
     def _send_ctrl(self, ep: Any, tag: int, msg: bytes, worker: UcxWorker | None = None) -> None:
+        if ep is None:  # closed already (the session ended): nothing more goes to it
+            return
         w = worker or self._worker  # the worker ``ep`` belongs to
 
         def done(req: Any, err: BaseException | None) -> None:
@@ -785,7 +788,24 @@ class UcxReceiver(_Service, Receiver):
             for t in draining:
                 if t.draining:  # halts its session's worker (or, without those, all)
                     self._close_path(t, "the receiver is closing")
+        await self._close_all_eps()
         await self._close()
+
+    async def _close_all_eps(self) -> None:
+        """Close every endpoint to a sender while the workers are still progressed,
+        waiting (bounded) for the flushes of those whose worker runs."""
+        closing: list[tuple[UcxWorker, int]] = []
+        for s in [*self._sessions.values(), *self._retiring.values()]:
+            closing += self._close_eps(s)
+        for p in self._pending_auth.values():
+            p.scope.cancel()
+            if p.ep is not None:
+                closing.append((self._worker, self._worker.close_endpoint(p.ep)))
+                p.ep = None
+        closing = [(w, h) for w, h in closing if h and not w.halted and not w.closed]
+        with trio.move_on_after(K_EP_CLOSE_S):
+            while any(w.in_flight(h) for w, h in closing):
+                await trio.sleep(0.002)
 
     # ------------------------------------------------------------------ grant
     def grant(
@@ -1061,6 +1081,9 @@ class UcxReceiver(_Service, Receiver):
                 msg = _pack(_Ctl.CANCEL, s.sid, t.tid, _Code.HALTED)
                 self._send_ctrl(s.hello_ep, s.tags.tx_tag, msg)
             s.scope.cancel()  # its progress task: a halted worker has nothing to do
+            # Its worker's endpoint is never progressed (its destructor must not
+            # progress it either); the public one's close flushes the CANCEL first.
+            self._close_eps(s)
             if self._retiring.get(s.sid) is s:
                 del self._retiring[s.sid]
             if self._sessions.get(s.sid) is s:
@@ -1170,6 +1193,8 @@ class UcxReceiver(_Service, Receiver):
         """Fail a sender's admission: tell it (a FAIL frame) if we can, and count it."""
         if ep is not None and out:
             self._send_ctrl(ep, K_TAG_CTRL_TX | sender, _pack(_Ctl.AUTH, sender, 0, 0, out))
+        if ep is not None:  # not used again: its close flushes the FAIL first
+            self._worker.close_endpoint(ep)
         self._auth_failed(sender, AuthError(str(exc), peer=f"ucx-sender-{sender:08x}"))
 
     def _on_hello(self, sender: int, code: int, blob: bytes) -> None:
@@ -1273,6 +1298,7 @@ class UcxReceiver(_Service, Receiver):
             back = w.connect(address, error_handling=errh)
         except (TransportError, PeerUnavailable) as exc:
             log.warning("no UCX worker for sender %08x: %s", sender, exc)
+            self._worker.close_endpoint(ep)
             return
         s = _Session(sender, back, tags, w, errh)
         s.hello_ep = ep
@@ -1328,14 +1354,31 @@ class UcxReceiver(_Service, Receiver):
             return False
         if self._retiring.get(s.sid) is s:
             del self._retiring[s.sid]
+        self._close_eps(s)  # (at its BYE already, usually)
         s.scope.cancel()
         self._retired_epoll += w.epoll_waits
         w.close()  # its requests are dropped; the UCX worker goes with the last reference
         for t in self._transfers.values():  # finished ones, kept for late waiters
             if t.worker is w:
                 t.worker, t.session = self._worker, None
-        s.ep = s.hello_ep = s.inbox = None
+        s.inbox = None
         return True
+
+    def _close_eps(self, s: _Session) -> list[tuple[UcxWorker, int]]:
+        """Start closing ``s``'s endpoints (nothing more is sent to it), without
+        blocking: see :meth:`UcxWorker.close_endpoint`. A halted worker's
+        endpoint is closed without progressing that worker.
+
+        Returns:
+            The closes still in flight, as (worker, handle).
+        """
+        out: list[tuple[UcxWorker, int]] = []
+        if s.ep is not None:
+            out.append((s.worker, s.worker.close_endpoint(s.ep)))
+        if s.hello_ep is not None and s.hello_ep is not s.ep:
+            out.append((self._worker, self._worker.close_endpoint(s.hello_ep)))
+        s.ep = s.hello_ep = None
+        return [(w, h) for w, h in out if h]
 
     async def _retire_later(self, s: _Session) -> None:
         # A BYE: the sender still flushes its endpoint to this worker; let it.
@@ -1367,6 +1410,7 @@ class UcxReceiver(_Service, Receiver):
                     if u.session is s and u.state is TransferState.RUNNING:
                         exc = TransferCancelled("the sender closed", transfer_id=u.tid)
                         self._finish(u, TransferState.CANCELLED, exc, None)
+                self._close_eps(s)  # flushed while its worker still runs (the grace)
                 if s.worker is not self._worker and not s.worker.halted:
                     self._retiring[s.sid] = s  # after its flush, or once its drains end
                     self._nursery.start_soon(self._retire_later, s)
@@ -1775,21 +1819,24 @@ class UcxSender(_Service, Sender):
         for ep in [*eps, self._ep]:
             await self._close_ep(ep)
         await self._close()
+        self._ep = self._data_ep = None  # closed (or closing): never closed again
 
     async def _close_ep(self, ep: Any) -> None:
         """Close ``ep`` gracefully (bounded): it flushes what UCX still holds for
         the receiver; without it a process exiting right after a cancel could
         cut a rendezvous short, and the receiver's drain would time out."""
-        if self._stack is None or ep is None or self._worker.halted or not self._ep_alive(ep):
+        if self._stack is None or ep is None or not self._ep_alive(ep):
             return
-        try:
-            req = ep.close()
-        except Exception as exc:  # already closed or failed: nothing to flush
-            log.debug("UCX endpoint close failed: %s", exc)
+        w = self._worker
+        # Started even on a halted worker (then never progressed, not waited
+        # for): otherwise the endpoint's destructor would progress it, without
+        # a bound (see UcxWorker.close_endpoint).
+        handle = w.close_endpoint(ep)
+        if not handle or w.halted:
             return
         with trio.move_on_after(K_SEND_DRAIN_S):
-            while not req.completed:
-                self._worker._wake()
+            while w.in_flight(handle):
+                w._wake()
                 await trio.sleep(0.002)
 
     @staticmethod

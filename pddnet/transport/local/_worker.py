@@ -351,6 +351,46 @@ class UcxWorker:
             self._watch(req, arr, _ignore, False, False, 0)
         return True
 
+    def close_endpoint(self, ep: Any) -> int:
+        """Start closing ``ep``, an endpoint of this worker, without blocking.
+
+        Call it once per endpoint, then drop the endpoint. Without it, the
+        endpoint's destructor (ucxx's ``~Endpoint``) closes it in UCX's flush
+        mode and progresses this worker in a loop until the flush completes,
+        with no bound when no progress thread runs. Over ``tcp`` that flush
+        waits for the peer: once a tcp endpoint has sent anything (a PUT ACK
+        of a rendezvous over tcp PUT, without ``cma``), UCX flushes it with a
+        zero-length PUT and waits for the peer's ACK (docs/local.md, *Closing
+        endpoints*). With a peer that is never progressed again (another
+        worker of this process whose task ended, a stopped sender) the
+        destructor never returned (100 % CPU in a garbage collection), and on
+        a halted worker it would progress what must not be progressed. After
+        this call the destructor returns at once; the flush goes on while
+        this worker is progressed (:meth:`run`), and the request is kept until
+        it completes or :meth:`close`.
+
+        Returns:
+            A handle (see :meth:`forget`), or 0 if the close completed at once
+            or was not started (an endpoint UCX closed already: a failed peer).
+        """
+        try:
+            # With error handling, ucxx closed an endpoint whose peer failed
+            # itself; closing it again returned a request whose ``completed``
+            # crashed the process (SIGSEGV, measured).
+            if not ep.alive:
+                return 0
+            req = ep.close()
+            if req.completed:
+                return 0
+        except Exception as exc:  # already closed or failed: nothing to flush
+            log.debug("UCX endpoint close failed: %s", exc)
+            return 0
+        return self._watch(req, None, _ignore, False, False, 0)
+
+    def in_flight(self, handle: int) -> bool:
+        """Whether the request ``handle`` is still registered (not completed, not forgotten)."""
+        return handle in self._pending
+
     def forget(self, handle: int) -> None:
         """Drop a request: ucxx cancels it when the last reference goes."""
         entry = self._pending.pop(handle, None)
