@@ -595,6 +595,9 @@ class RelayEndpoint(_DecodeEndpoint):
             have P cancel the WAN transfer (the strange-traffic cut-off).
         local_options: (RLD) keyword arguments for the UCX receiver, e.g.
             ``{"busy_poll_us": 100}`` for the low-latency mode (docs/local.md).
+            ``cma`` defaults to False here: with it, a prefill process killed
+            mid-transfer on the same host makes UCX abort RLD (docs/local.md,
+            *`cma` kills the receiver*); ``{"cma": True}`` takes it back.
     """
 
     role = "relay"
@@ -606,7 +609,7 @@ class RelayEndpoint(_DecodeEndpoint):
         local_options: dict[str, Any] | None = None,
         **kw: Any,
     ) -> None:
-        self.local_options = local_options or {}  # read by _default_receiver
+        self.local_options = {"cma": False, **(local_options or {})}  # read by _default_receiver
         super().__init__(*args, **kw)
         self.cut_off_wan = cut_off_wan
 
