@@ -604,6 +604,7 @@ class UcxReceiverStatistics:
     peers_lost: int = 0  # senders UCX reported unreachable (error handling: a dead sender)
     session_workers: int = 0  # UCX workers of admitted (or ending) sessions, halted ones too
     sessions_halted: int = 0  # session workers halted by a drain deadline (one sender each)
+    sessions_admitted: int = 0  # senders admitted since the start (``senders``: those now)
 
 
 class UcxReceiver(_Service, Receiver):
@@ -674,6 +675,7 @@ class UcxReceiver(_Service, Receiver):
         self.path_error: TransportError | None = None  # set when the worker was halted
         self._drains = 0
         self._peers_lost = 0
+        self._admissions = 0
         self._swept = self._swept_bytes = 0
         self._transfers: dict[int, _RxTransfer] = {}
         self._finished: deque[int] = deque()
@@ -1291,6 +1293,7 @@ class UcxReceiver(_Service, Receiver):
                 s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m))
                 self._session_tags.add(tags.rx_tag)
             self._sessions[sender] = s
+            self._admissions += 1
             self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0))
             return
         try:
@@ -1307,6 +1310,7 @@ class UcxReceiver(_Service, Receiver):
         s.inbox = self._listen(tags.rx_tag, lambda *m: self._on_session(s, *m), w)
         self._session_tags.add(tags.rx_tag)
         self._sessions[sender] = s
+        self._admissions += 1
         self._nursery.start_soon(self._run_session, s)
         self._send_ctrl(ep, tags.tx_tag, _pack(_Ctl.ACCEPT, sender, 0, 0, w.address))
 
@@ -1527,6 +1531,7 @@ class UcxReceiver(_Service, Receiver):
             + len(self._retiring)
             + len(self._halted),
             len(self._halted),
+            self._admissions,
         )
 
 
