@@ -25,6 +25,8 @@ Rows, each in two transport settings where it applies (``sm``:
   ahead, one transfer at a time, authenticated with a shared secret);
 * ``pddnet_poll``: the same in the low-latency mode (``busy_poll_us`` =
   ``--poll-us``; ``PDDNET_BENCH_POLL_MAX`` overrides its 64 KiB size limit);
+* ``pddnet_nocma``: the receiver without ``cma`` (``UcxReceiver(cma=False)``,
+  RLD's default: a killed sender cannot abort it), ``sm`` only;
 * ``raw_ucxx``: ucxx's tag API in a tight busy-polling loop (no trio, no
   protocol): the ceiling for anything built on ucxx;
 * ``raw_ucxx_epoll``: the same, but sleeping on the worker's epoll fd (2 ms
@@ -140,8 +142,9 @@ role = sys.argv[1]
 OPTS = {"secret": os.environ["PDDNET_BENCH_SECRET"].encode(),  # authenticated, as deployed
         "busy_poll_us": float(os.environ.get("PDDNET_BENCH_POLL_US", "0")),
         "busy_poll_max_bytes": int(os.environ.get("PDDNET_BENCH_POLL_MAX", str(64 << 10)))}
+CMA = os.environ.get("PDDNET_BENCH_CMA", "1") == "1"  # 0: the receiver as RLD makes it
 async def server():
-    async with UcxReceiver(**OPTS) as rx:
+    async with UcxReceiver(**OPTS, cma=CMA) as rx:
         out({"address": rx.address})
         for size in SIZES:
             buf = np.zeros(size, np.uint8)
@@ -495,6 +498,13 @@ def main(args: argparse.Namespace) -> int:
     impls: dict[str, tuple[str, str, list[str], dict[str, str], bool]] = {
         "pddnet": (_PDDNET, sys.executable, ["sm", "tcp"], secret, True),
         "pddnet_poll": (_PDDNET, sys.executable, ["sm", "tcp"], poll, True),
+        "pddnet_nocma": (
+            _PDDNET,
+            sys.executable,
+            ["sm"],
+            {**secret, "PDDNET_BENCH_CMA": "0"},
+            True,
+        ),
         "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp"], {}, True),
         "raw_ucxx_epoll": (_RAW_UCXX, sys.executable, ["sm"], {"PDDNET_RAW_BLOCKING": "1"}, True),
         "tcp": (_TCP, sys.executable, ["tcp"], {}, True),
@@ -584,6 +594,10 @@ def main(args: argparse.Namespace) -> int:
             pick("pddnet", "sm", 4096, "median_us"), pick("nixl", "sm", 4096, "median_us")
         ),
         "pddnet_16mib_gb_per_s": pick("pddnet", "sm", mib16, "gb_per_s"),
+        # RLD's receiver (no cma) over pddnet's default one, single pass
+        "nocma_ratio_16mib": ratio(
+            pick("pddnet_nocma", "sm", mib16, "gb_per_s"), pick("pddnet", "sm", mib16, "gb_per_s")
+        ),
         "pddnet_4kib_median_us": pick("pddnet", "sm", 4096, "median_us"),
         # 4 KiB, like with like (see docs/local.md). Sender-side time: pddnet
         # and raw ucxx until the receiver's confirmation came back (a round
