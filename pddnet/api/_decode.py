@@ -198,6 +198,7 @@ class _DecodeEndpoint(ABC):
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
         self._reqs: dict[int, _Request] = {}
         self._emitted: dict[int, _Emitted] = {}
+        self._resending: set[int] = set()  # requests whose tokens a task is re-sending
         self._ended: dict[int, None] = {}  # ended streams' ids, oldest first
         self._nursery: trio.Nursery | None = None
         self._stack: Any = None
@@ -446,8 +447,16 @@ class _DecodeEndpoint(ABC):
                 break
             del self._ended[oldest], self._emitted[oldest]
 
-    async def _on_resend(self, peer: str, msg: StreamResend) -> StreamStatus:
-        """The sink asks for the tokens it lacks from ``msg.start`` on."""
+    def _on_resend(self, peer: str, msg: StreamResend) -> StreamStatus:
+        """The sink asks for the tokens it lacks from ``msg.start`` on.
+
+        The answer leaves at once; the tokens follow from a task of their own
+        (at most one per request), so a sink that reads slowly delays only
+        itself, never the node's other control traffic (handlers run one at a
+        time). The assembler needs no order between the two: the status says
+        which positions this decoder holds, and the tokens are checked by
+        position when they land.
+        """
         kept = self._emitted.get(msg.request_id)
         if kept is None:
             return StreamStatus(msg.request_id, int(SourceState.UNKNOWN), -1, -1)
@@ -455,14 +464,27 @@ class _DecodeEndpoint(ABC):
             raise RemoteProtocolError(
                 f"re-send asked by {peer}, not the sink", peer=peer, request_id=msg.request_id
             )
-        # handlers run one at a time: the whole re-send gets one bounded wait
-        with trio.move_on_after(self.sink_timeout_s):
-            for pos in range(max(msg.start, kept.first), kept.last + 1):
-                tok = kept.tokens[pos - kept.first]
-                again = Emitted(msg.request_id, pos, tok, self.name, pos == kept.final)
-                await self.node.send(peer, again, timeout=self.sink_timeout_s)
-                self._stats["tokens_resent"] += 1
+        start = max(msg.start, kept.first)
+        if start <= kept.last and msg.request_id not in self._resending:
+            assert self._nursery is not None
+            self._resending.add(msg.request_id)
+            self._nursery.start_soon(self._resend, peer, msg.request_id, kept, start)
         return StreamStatus(msg.request_id, int(kept.state), kept.first, kept.last, kept.detail)
+
+    async def _resend(self, peer: str, rid: int, kept: _Emitted, start: int) -> None:
+        """Send ``kept``'s tokens from ``start`` on again; the whole re-send gets
+        one bounded wait (a sink that stops reading is dropped, not waited on)."""
+        try:
+            with trio.move_on_after(self.sink_timeout_s):
+                for pos in range(start, kept.last + 1):
+                    tok = kept.tokens[pos - kept.first]
+                    again = Emitted(rid, pos, tok, self.name, pos == kept.final)
+                    await self.node.send(peer, again, timeout=self.sink_timeout_s)
+                    self._stats["tokens_resent"] += 1
+        except PddnetError as exc:  # the next round asks again, or the stream fails
+            log.info("%s: re-send of %s to %s stopped: %s", self.name, rid, peer, exc)
+        finally:
+            self._resending.discard(rid)
 
     def _on_stream_ack(self, peer: str, msg: StreamAck) -> None:
         kept = self._emitted.get(msg.request_id)
