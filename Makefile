@@ -5,9 +5,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := ucx,test,bench
 
-.PHONY: venv test lint typecheck unit demo fuzz clean
+.PHONY: venv system test lint typecheck unit demo fuzz clean
 
 venv: $(STAMP)
+
+# System packages the tests and benchmarks compare against (iperf3). Installed
+# with apt-get where we are root; otherwise each missing one is named, with how
+# to get it, and the benchmarks report it missing instead of failing.
+SYSTEM_TOOLS := iperf3
+system:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing$$missing (apt-get)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null) \
+	    || echo "could not install$$missing: the comparisons that need them report them missing"; \
+	else echo "missing:$$missing (install with: sudo apt-get install$$missing); the comparisons that need them report them missing"; fi
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,9 +38,9 @@ typecheck: venv
 unit: venv
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+test: system lint typecheck unit
 
-demo: venv
+demo: venv system
 	$(BIN)/pddnet demo
 
 # Longer coverage-guided fuzzing of every decoder (not part of `make test`).
