@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,63 +330,73 @@ class PrefillEndpoint:
             decision = self.router.decide(RouteRequest(request_id, delta, max_tokens), now)
         else:
             decision = RouteDecision(request_id, route, RouteReason.FORCED, 0.0, 0, now)
-        relay_peer = self._peer("relay", relay) if decision.uses_rld else ""
-        if not decision.uses_wan:
-            raise LocalProtocolError("the P->RLD-only route is not served by this endpoint")
-        offer = KvOffer(
-            request_id,
-            encode_tokens(prompt_arr),
-            int(first_token),
-            int(max_tokens),
-            relay_peer,
-            main_peer,
-            sink,
-            float(deadline_s or 0.0),
-        )
-        dests = [main_peer] + ([relay_peer] if relay_peer else [])
-        stream = self.sink.stream(request_id) if sink == self.name else None
-        if stream is not None:  # our own sink can ask them for lost tokens
-            stream.watch(*dests, relay=relay_peer, main=main_peer)
-        self._reqs[request_id] = req = _Req(request_id)
-        self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
-        self._lease_changed.set()
+        # From here on the router may hold an RLD slot for the request: every
+        # failure below, even before an offer went out, must give it back.
+        req = _Req(request_id)
         accepts: dict[str, KvAccept] = {}
-        views = self.pool.host_views()
-
-        errors: list[PddnetError] = []
-
-        async def offer_and_send(dest: str) -> None:
-            try:
-                await _offer_and_send(dest)
-            except PddnetError as exc:  # re-raised below, not as an exception group
-                errors.append(exc)
-
-        async def _offer_and_send(dest: str) -> None:
-            # Each destination starts as soon as it accepted: RLD's local
-            # transfer never waits for MD's answer across the WAN.
-            reply = await self.node.request(dest, offer, timeout=10.0)
-            if not isinstance(reply, KvAccept) or reply.request_id != request_id:
-                raise RemoteProtocolError("bad answer to KvOffer", peer=dest, request_id=request_id)
-            if not 0 <= reply.skip_blocks <= nblocks:
-                raise RemoteProtocolError("bad skip_blocks", peer=dest, request_id=request_id)
-            accepts[dest] = reply
-            src = block_ranges(
-                self.pool.layout, self.pool.num_blocks, list(block_ids[reply.skip_blocks : nblocks])
-            )
-            grant = Grant(reply.transfer_id, reply.total, tuple(reply.layer_ends), reply.address)
-            transfer = self._senders[dest].start(
-                grant,
-                views,
-                src,
-                priority=1 if dest == relay_peer else 0,
-                timeout=min(self.timeout, deadline_s or self.timeout),
-                ready=ready,
-            )
-            req.outs[dest] = out = _Out(dest, transfer, src.total, time.monotonic())
-            assert self._nursery is not None
-            self._nursery.start_soon(self._watch, req, out)
-
         try:
+            if not decision.uses_wan:
+                raise LocalProtocolError(
+                    "the P->RLD-only route is not served by this endpoint", request_id=request_id
+                )
+            relay_peer = self._peer("relay", relay) if decision.uses_rld else ""
+            offer = KvOffer(
+                request_id,
+                encode_tokens(prompt_arr),
+                int(first_token),
+                int(max_tokens),
+                relay_peer,
+                main_peer,
+                sink,
+                float(deadline_s or 0.0),
+            )
+            dests = [main_peer] + ([relay_peer] if relay_peer else [])
+            stream = self.sink.stream(request_id) if sink == self.name else None
+            if stream is not None:  # our own sink can ask them for lost tokens
+                stream.watch(*dests, relay=relay_peer, main=main_peer)
+            self._reqs[request_id] = req
+            self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
+            self._lease_changed.set()
+            views = self.pool.host_views()
+            errors: list[PddnetError] = []
+
+            async def offer_and_send(dest: str) -> None:
+                try:
+                    await _offer_and_send(dest)
+                except PddnetError as exc:  # re-raised below, not as an exception group
+                    errors.append(exc)
+
+            async def _offer_and_send(dest: str) -> None:
+                # Each destination starts as soon as it accepted: RLD's local
+                # transfer never waits for MD's answer across the WAN.
+                reply = await self.node.request(dest, offer, timeout=10.0)
+                if not isinstance(reply, KvAccept) or reply.request_id != request_id:
+                    raise RemoteProtocolError(
+                        "bad answer to KvOffer", peer=dest, request_id=request_id
+                    )
+                if not 0 <= reply.skip_blocks <= nblocks:
+                    raise RemoteProtocolError("bad skip_blocks", peer=dest, request_id=request_id)
+                accepts[dest] = reply
+                src = block_ranges(
+                    self.pool.layout,
+                    self.pool.num_blocks,
+                    list(block_ids[reply.skip_blocks : nblocks]),
+                )
+                grant = Grant(
+                    reply.transfer_id, reply.total, tuple(reply.layer_ends), reply.address
+                )
+                transfer = self._senders[dest].start(
+                    grant,
+                    views,
+                    src,
+                    priority=1 if dest == relay_peer else 0,
+                    timeout=min(self.timeout, deadline_s or self.timeout),
+                    ready=ready,
+                )
+                req.outs[dest] = out = _Out(dest, transfer, src.total, trio.current_time())
+                assert self._nursery is not None
+                self._nursery.start_soon(self._watch, req, out)
+
             async with trio.open_nursery() as nursery:
                 for dest in dests:
                     nursery.start_soon(offer_and_send, dest)
@@ -463,7 +472,7 @@ class PrefillEndpoint:
             if self._roles.get(out.dest) == "main" and out.nbytes >= K_BANDWIDTH_SAMPLE_BYTES:
                 # Small transfers measure the RTT, not the bandwidth: only
                 # large ones update the router's estimate.
-                elapsed = time.monotonic() - out.started - self.router.link.rtt_s
+                elapsed = trio.current_time() - out.started - self.router.link.rtt_s
                 if elapsed > 0:
                     self.router.update_link(bandwidth_bytes_s=out.nbytes / elapsed, weight=0.2)
         except PddnetError as exc:
