@@ -237,8 +237,8 @@ def main(args: argparse.Namespace) -> int:
     print_table(rows, title=f"DRC replay: {n} requests, block size {args.block_size}")
     summary = {
         "wan_bytes_ratio_at_90pct_hit": result["wan_bytes_ratio"],
-        "delta_ms_128k": timing[16]["delta_ms"]["p50"],
         "trace_mean_hit": result["trace_mean_hit"],
+        "delta_ms_128k": timing[16]["delta_ms"]["p50"],
         "trace_frac_above_95pct": result["trace_frac_above_95pct"],
         "md_hit_rate": result["md_hit_rate"],
         "p_hit_rate": result["p_hit_rate"],
@@ -248,6 +248,12 @@ def main(args: argparse.Namespace) -> int:
         "targets": {"wan_bytes_ratio_at_90pct_hit": "<= 0.12", "delta_ms_128k": "<= 5"},
         "seconds": time.perf_counter() - t0,
     }
+    # "90pct" names the trace's design; the hit it really had stands beside the ratio
+    head = ("wan_bytes_ratio_at_90pct_hit", "trace_mean_hit", "md_hit_rate", "delta_ms_128k")
+    print_table(
+        [{**{k: summary[k] for k in head}, "targets": "ratio <= 0.12, delta <= 5 ms"}],
+        title="\nheadline (trace_mean_hit: the trace's measured hit with an unbounded cache)",
+    )
     write_report(
         args.json,
         summary,
