@@ -36,11 +36,12 @@ from ._messages import (
 from ._prefill import BlocksReleased, PrefillEndpoint, PrefillStatistics, Submission
 from ._sink import SinkStatistics, StreamToken, TokenSink, TokenStream
 from ._stream import SourceState, StreamAssembler, StreamPhase, StreamReport
-from ._sync import SyncEndpoint
+from ._sync import Completion, SyncEndpoint
 
 __all__ = [
     "Abort",
     "BlocksReleased",
+    "Completion",
     "CutOffWan",
     "DecodeEngine",
     "DecodeStatistics",
