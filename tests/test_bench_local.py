@@ -24,25 +24,67 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_paired_rounds_rotate_the_order_and_keep_failures_out() -> None:
-    calls: list[str] = []
+def test_paired_rounds_rotate_the_order_and_mark_failures() -> None:
+    calls: list[tuple[str, str]] = []
 
-    def run(name: str, mode: str, sizes: list[int], iters: dict[str, int]) -> list[dict[str, Any]]:
+    def run(
+        name: str, mode: str, sizes: list[int], iters: dict[str, int], label: str
+    ) -> list[dict[str, Any]]:
         assert mode == "sm" and sizes == [16 << 20] and iters == {str(16 << 20): 20}
-        calls.append(name)
-        if name == "nixl":  # a peer that cannot run: no result, no ratio
+        calls.append((name, label))
+        if name == "nixl" and label == " paired round 2":  # a run that fails: no result
             return []
-        return [{"median_s": {"pddnet": 1e-3, "raw_ucxx": 0.9e-3}[name]}]
+        times = {"pddnet_nocma": 1.2e-3, "pddnet": 1e-3, "raw_ucxx": 0.9e-3, "nixl": 1.5e-3}
+        return [{"median_s": times[name]}]
 
     out = local._paired_rounds(run, _args("--quick", "--rounds", "3"), 16 << 20)
+    names = ["pddnet_nocma", "pddnet", "raw_ucxx", "nixl"]
     assert calls == [
-        *("pddnet", "raw_ucxx", "nixl"),
-        *("raw_ucxx", "nixl", "pddnet"),
-        *("nixl", "pddnet", "raw_ucxx"),
+        *((n, " paired round 1") for n in names),
+        *((n, " paired round 2") for n in names[1:] + names[:1]),
+        *((n, " paired round 3") for n in names[2:] + names[:2]),
     ]
+    assert out["pddnet_nocma"] == pytest.approx([1200.0] * 3)
     assert out["pddnet"] == pytest.approx([1000.0] * 3)
-    assert out["raw_ucxx"] == pytest.approx([900.0] * 3)
-    assert out["nixl"] == [0.0] * 3
+    assert out["nixl"] == [pytest.approx(1500.0), None, pytest.approx(1500.0)]
+
+
+def test_the_headline_ratios_use_the_deployed_receiver() -> None:
+    """RLD's receiver has no cma: ``ratio_vs_nixl_16mib`` is its ratio, ``_cma`` the other."""
+    paired: dict[str, list[float | None]] = {
+        "pddnet_nocma": [2000.0, 2200.0, 1800.0],
+        "pddnet": [1000.0, 1100.0, 900.0],
+        "raw_ucxx": [800.0, 880.0, 720.0],
+        "nixl": [1500.0, 1650.0, 1350.0],
+    }
+    out = local.paired_ratios(paired)
+    assert out["ratio_vs_nixl_16mib"] == pytest.approx(0.75)
+    assert out["ratio_vs_nixl_16mib_cma"] == pytest.approx(1.5)
+    assert out["ratio_vs_raw_ucxx_16mib"] == pytest.approx(0.4)
+    assert out["ratio_vs_raw_ucxx_16mib_cma"] == pytest.approx(0.8)
+    assert out["nocma_ratio_16mib"] == pytest.approx(0.5)
+    assert out["ratio_vs_nixl_16mib_rounds"] == pytest.approx([0.75] * 3)
+    assert set(out["failed_rounds"].values()) == {0}
+
+
+def test_failed_paired_rounds_are_counted_not_dropped() -> None:
+    paired: dict[str, list[float | None]] = {
+        "pddnet_nocma": [1000.0, None, 1000.0, 1000.0],
+        "pddnet": [1000.0, 1000.0, 1000.0, 1000.0],
+        "nixl": [1500.0, 1500.0, None, 1200.0],
+    }
+    out = local.paired_ratios(paired)
+    assert out["ratio_vs_nixl_16mib_rounds"] == [1.5, None, None, 1.2]
+    assert out["ratio_vs_nixl_16mib"] == pytest.approx(1.35)  # the median of the rounds that ran
+    assert out["failed_rounds"]["ratio_vs_nixl_16mib"] == 2
+    assert out["failed_rounds"]["ratio_vs_nixl_16mib_cma"] == 1
+    assert out["failed_rounds"]["nocma_ratio_16mib"] == 1
+    # raw ucxx did not run at all: no rounds, no ratio, nothing failed
+    assert out["ratio_vs_raw_ucxx_16mib"] is None and out["ratio_vs_raw_ucxx_16mib_rounds"] == []
+    assert out["failed_rounds"]["ratio_vs_raw_ucxx_16mib"] == 0
+    every_round_failed = local.paired_ratios({"pddnet_nocma": [None, None], "nixl": [1.0, 1.0]})
+    assert every_round_failed["ratio_vs_nixl_16mib"] is None
+    assert every_round_failed["failed_rounds"]["ratio_vs_nixl_16mib"] == 2
 
 
 def test_paired_rounds_need_pddnet_and_a_peer() -> None:
@@ -57,27 +99,43 @@ def test_paired_rounds_need_pddnet_and_a_peer() -> None:
 @pytest.mark.ucx
 @pytest.mark.skipif(not available("ucxx"), reason="ucxx is not installed")
 def test_quick_run_against_raw_ucxx(tmp_path: Path) -> None:
+    """The deployed receiver against raw ucxx; NIXL's missing venv fails every round."""
     out = tmp_path / "local.json"
-    args = _args("--quick", "--only", "pddnet", "raw_ucxx", "--rounds", "2", "--json", str(out))
+    only = ("--only", "pddnet_nocma", "raw_ucxx", "nixl", "--peer-venv", str(tmp_path / "none"))
+    args = _args("--quick", *only, "--rounds", "2", "--json", str(out))
     assert local.main(args) == 0
     report = json.loads(out.read_text())
     summary = report["summary"]
-    assert report["errors"] == {}
+    assert set(report["errors"]) == {
+        "nixl/sm",
+        "nixl/tcp",
+        "nixl/sm paired round 1",
+        "nixl/sm paired round 2",
+    }
     rows = {(r["impl"], r["mode"], r["size"]) for r in report["rows"]}
     assert rows == {
         (impl, mode, size)
-        for impl in ("pddnet", "raw_ucxx")
-        for mode in ("sm", "tcp")
+        for impl, mode in (("pddnet_nocma", "sm"), ("raw_ucxx", "sm"), ("raw_ucxx", "tcp"))
         for size in local.K_QUICK_SIZES
     }
     paired = summary["paired_16mib_us"]
-    assert set(paired) == {"pddnet", "raw_ucxx"}
-    assert all(len(v) == 2 and all(x > 0 for x in v) for v in paired.values())
+    assert set(paired) == {"pddnet_nocma", "raw_ucxx", "nixl"}
+    assert paired["nixl"] == [None, None]
+    assert all(
+        len(paired[k]) == 2 and all(x > 0 for x in paired[k]) for k in ("pddnet_nocma", "raw_ucxx")
+    )
     rounds = summary["ratio_vs_raw_ucxx_16mib_rounds"]
     assert rounds == pytest.approx(
-        [r / p for p, r in zip(paired["pddnet"], paired["raw_ucxx"], strict=True)]
+        [r / p for p, r in zip(paired["pddnet_nocma"], paired["raw_ucxx"], strict=True)]
     )
     assert summary["ratio_vs_raw_ucxx_16mib"] == pytest.approx(
         sorted(rounds)[0] / 2 + sorted(rounds)[1] / 2
     )
-    assert summary["ratio_vs_nixl_16mib"] is None and summary["nixl_error"] == "not run"
+    assert summary["ratio_vs_nixl_16mib"] is None and summary["ratio_vs_nixl_16mib_rounds"] == [
+        None,
+        None,
+    ]
+    assert summary["failed_rounds"]["ratio_vs_nixl_16mib"] == 2
+    assert summary["failed_rounds"]["ratio_vs_raw_ucxx_16mib"] == 0
+    assert summary["ratio_vs_raw_ucxx_16mib_cma"] is None  # pddnet with cma did not run
+    assert "no peer environment" in summary["nixl_error"]

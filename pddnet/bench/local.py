@@ -26,7 +26,8 @@ Rows, each in two transport settings where it applies (``sm``:
 * ``pddnet_poll``: the same in the low-latency mode (``busy_poll_us`` =
   ``--poll-us``; ``PDDNET_BENCH_POLL_MAX`` overrides its 64 KiB size limit);
 * ``pddnet_nocma``: the receiver without ``cma`` (``UcxReceiver(cma=False)``,
-  RLD's default: a killed sender cannot abort it), ``sm`` only;
+  RLD's default: a killed sender cannot abort it), ``sm`` only: the receiver
+  as deployed, behind the summary's headline ratios;
 * ``raw_ucxx``: ucxx's tag API in a tight busy-polling loop (no trio, no
   protocol): the ceiling for anything built on ucxx;
 * ``raw_ucxx_epoll``: the same, but sleeping on the worker's epoll fd (2 ms
@@ -45,11 +46,15 @@ the run goes on.
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
 16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
 the same code), more than the differences measured. So
-after the table, ``--rounds`` rounds run pddnet, raw ucxx and NIXL (``sm``,
-16 MiB) back to back, the order rotating each round, and
-``ratio_vs_raw_ucxx_16mib`` / ``ratio_vs_nixl_16mib`` are the medians of the
-per-round ratios (each round's processes are fresh, so each round samples
-the placement anew). The rounds' times are in ``paired_16mib``; the table's
+after the table, ``--rounds`` rounds run pddnet as deployed (``pddnet_nocma``),
+pddnet with ``cma``, raw ucxx and NIXL (``sm``, 16 MiB) back to back, the
+order rotating each round, and each ratio of :data:`K_PAIRED_RATIOS` is the
+median of its per-round ratios (each round's processes are fresh, so each
+round samples the placement anew). The headline ``ratio_vs_nixl_16mib`` and
+``ratio_vs_raw_ucxx_16mib`` use the deployed receiver; ``..._cma`` the one
+with ``cma``. A round where either side failed has no ratio: it is None in
+``..._rounds``, counted in ``failed_rounds`` and its error is in the JSON's
+``errors``. The rounds' times are in ``paired_16mib_us``; the table's
 single-pass ratios are kept as ``..._single_pass``.
 """
 
@@ -74,7 +79,15 @@ K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
 K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self"}
 K_PEER_VENV = "/tmp/pdd-bench-venv"
 K_POLL_US = 300.0
-K_PAIRED = ("pddnet", "raw_ucxx", "nixl")  # the 16 MiB ratios' rows, rerun in paired rounds
+K_PAIRED = ("pddnet_nocma", "pddnet", "raw_ucxx", "nixl")  # rerun in paired 16 MiB rounds
+# summary key: (pddnet's row, the peer's row); the ratio is the peer's time over pddnet's
+K_PAIRED_RATIOS = {
+    "ratio_vs_nixl_16mib": ("pddnet_nocma", "nixl"),  # the receiver as RLD deploys it
+    "ratio_vs_raw_ucxx_16mib": ("pddnet_nocma", "raw_ucxx"),
+    "ratio_vs_nixl_16mib_cma": ("pddnet", "nixl"),
+    "ratio_vs_raw_ucxx_16mib_cma": ("pddnet", "raw_ucxx"),
+    "nocma_ratio_16mib": ("pddnet_nocma", "pddnet"),  # without cma over with it
+}
 K_PAIRED_ITERS = {True: 20, False: 60}  # transfers per paired run (quick, full)
 
 
@@ -461,27 +474,52 @@ def _install_peers(venv: str, errors: dict[str, str]) -> None:
             errors[" ".join(cmd[-1:])] = r.stderr[-1000:]
 
 
-def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, list[float]]:
-    """Median µs per ``size`` transfer of pddnet, raw ucxx and NIXL (``sm``), per round.
+def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, list[float | None]]:
+    """Median µs per ``size`` transfer of each :data:`K_PAIRED` row (``sm``), per round.
 
-    Each round runs the three back to back in fresh processes, the order
-    rotating, so each ratio compares runs seconds apart rather than minutes.
+    Each round runs them back to back in fresh processes, the order rotating,
+    so each ratio compares runs seconds apart rather than minutes. A run that
+    failed is None (``run`` records its error under the round's name).
     """
     names = [n for n in K_PAIRED if not args.only or n in args.only]
     rounds = args.rounds if args.rounds is not None else (7 if args.quick else 11)
-    if "pddnet" not in names or len(names) < 2 or rounds <= 0:
+    if rounds <= 0 or not any(a in names and b in names for a, b in K_PAIRED_RATIOS.values()):
         return {}
     n = K_PAIRED_ITERS[bool(args.quick)]
-    out: dict[str, list[float]] = {name: [] for name in names}
+    out: dict[str, list[float | None]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            res = run(name, "sm", [size], {str(size): n})
-            out[name].append(res[0]["median_s"] * 1e6 if res else 0.0)
+            res = run(name, "sm", [size], {str(size): n}, f" paired round {r + 1}")
+            out[name].append(res[0]["median_s"] * 1e6 if res else None)
         print(
             f"paired 16 MiB round {r + 1}/{rounds}: "
-            + ", ".join(f"{k} {v[-1]:.0f} µs" for k, v in out.items()),
+            + ", ".join(
+                f"{k} {'failed' if v[-1] is None else f'{v[-1]:.0f} µs'}" for k, v in out.items()
+            ),
             file=sys.stderr,
         )
+    return out
+
+
+def paired_ratios(paired: dict[str, list[float | None]]) -> dict[str, Any]:
+    """The summary's paired ratios from :func:`_paired_rounds`' times.
+
+    Returns:
+        for each key of :data:`K_PAIRED_RATIOS`: the median of the per-round
+        ratios (None if no round has one), ``<key>_rounds`` (each round's
+        ratio, None where a side failed; empty if a side was not run), and
+        ``failed_rounds``: ``{key: rounds without a ratio}``.
+    """
+    out: dict[str, Any] = {}
+    failed: dict[str, int] = {}
+    for key, (base, peer) in K_PAIRED_RATIOS.items():
+        pairs = zip(paired.get(base, []), paired.get(peer, []), strict=False)
+        rounds = [b / a if a and b else None for a, b in pairs]
+        ok = [x for x in rounds if x is not None]
+        out[key] = float(np.median(ok)) if ok else None
+        out[f"{key}_rounds"] = rounds
+        failed[key] = len(rounds) - len(ok)
+    out["failed_rounds"] = failed
     return out
 
 
@@ -521,9 +559,11 @@ def main(args: argparse.Namespace) -> int:
         pin = {"PDDNET_BENCH_CPU_SERVER": str(cpus[0]), "PDDNET_BENCH_CPU_CLIENT": str(cpus[1])}
     rows: list[dict[str, Any]] = []
 
-    def run(name: str, mode: str, sizes: list[int], iters: dict[str, int]) -> list[dict[str, Any]]:
+    def run(
+        name: str, mode: str, sizes: list[int], iters: dict[str, int], label: str = ""
+    ) -> list[dict[str, Any]]:
         code, python, _modes, extra, one_way = impls[name]
-        key = f"{name}/{mode}"
+        key = f"{name}/{mode}{label}"
         if not Path(python).exists():
             errors[key] = f"no peer environment at {args.peer_venv} (use --install-peers)"
             return []
@@ -559,12 +599,6 @@ def main(args: argparse.Namespace) -> int:
     mib16 = 16 << 20
     paired = _paired_rounds(run, args, mib16)
 
-    def paired_ratio(peer: str) -> tuple[float | None, list[float]]:
-        if peer not in paired:
-            return None, []
-        ratios = [b / a for a, b in zip(paired["pddnet"], paired[peer], strict=True) if a and b]
-        return (float(np.median(ratios)) if ratios else None), ratios
-
     def pick(impl: str, mode: str, size: int, field: str) -> float | None:
         for r in rows:
             if (r["impl"], r["mode"], r["size"]) == (impl, mode, size):
@@ -574,30 +608,24 @@ def main(args: argparse.Namespace) -> int:
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a / b
 
-    vs_raw, vs_raw_rounds = paired_ratio("raw_ucxx")
-    vs_nixl, vs_nixl_rounds = paired_ratio("nixl")
     summary: dict[str, Any] = {
         # Medians of paired rounds (see the module's docstring); throughput
-        # ratio = the peer's time per 16 MiB transfer over pddnet's.
-        "ratio_vs_raw_ucxx_16mib": vs_raw,
-        "ratio_vs_nixl_16mib": vs_nixl,
-        "ratio_vs_raw_ucxx_16mib_rounds": vs_raw_rounds,
-        "ratio_vs_nixl_16mib_rounds": vs_nixl_rounds,
+        # ratio = the peer's time per 16 MiB transfer over pddnet's. The
+        # headline ones use the receiver as RLD deploys it (no cma).
+        **paired_ratios(paired),
         "paired_16mib_us": paired,
         "ratio_vs_raw_ucxx_16mib_single_pass": ratio(
-            pick("pddnet", "sm", mib16, "gb_per_s"), pick("raw_ucxx", "sm", mib16, "gb_per_s")
+            pick("pddnet_nocma", "sm", mib16, "gb_per_s"),
+            pick("raw_ucxx", "sm", mib16, "gb_per_s"),
         ),
         "ratio_vs_nixl_16mib_single_pass": ratio(
-            pick("pddnet", "sm", mib16, "gb_per_s"), pick("nixl", "sm", mib16, "gb_per_s")
+            pick("pddnet_nocma", "sm", mib16, "gb_per_s"), pick("nixl", "sm", mib16, "gb_per_s")
         ),
         "latency_ratio_vs_nixl_4kib": ratio(
             pick("pddnet", "sm", 4096, "median_us"), pick("nixl", "sm", 4096, "median_us")
         ),
         "pddnet_16mib_gb_per_s": pick("pddnet", "sm", mib16, "gb_per_s"),
-        # RLD's receiver (no cma) over pddnet's default one, single pass
-        "nocma_ratio_16mib": ratio(
-            pick("pddnet_nocma", "sm", mib16, "gb_per_s"), pick("pddnet", "sm", mib16, "gb_per_s")
-        ),
+        "pddnet_nocma_16mib_gb_per_s": pick("pddnet_nocma", "sm", mib16, "gb_per_s"),
         "pddnet_4kib_median_us": pick("pddnet", "sm", 4096, "median_us"),
         # 4 KiB, like with like (see docs/local.md). Sender-side time: pddnet
         # and raw ucxx until the receiver's confirmation came back (a round
