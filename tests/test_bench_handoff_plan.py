@@ -10,10 +10,15 @@ from hypothesis import strategies as st
 from pddnet import LayoutMismatch, LocalProtocolError
 from pddnet.bench._handoff_plan import (
     K_DEFAULT_KV_BYTES_PER_TOKEN,
+    K_H100_SXM,
     K_QUICK_LINK,
+    DeviceSpec,
     LinkConditions,
     crossover,
+    gpu_recompute_s,
     model_for_bytes,
+    model_of_kv,
+    model_params,
     parse_model,
     parse_wan,
     summary_stats,
@@ -47,6 +52,40 @@ def test_default_bytes_match_the_published_payload() -> None:
     m = choice.model
     assert (m.num_layers, m.num_kv_heads, m.head_dim) == (31, 3, 64)
     assert m.kv_layout(16, "float32") == choice.kv_layout
+    # recompute runs the model whose KV is shipped: the KV bytes agree, and the width is
+    # that of a real model with this KV (query heads x head width), not a narrow stand-in
+    # (it was 128 wide with 6 x 64 query dims: a 0.01 B-parameter model)
+    assert m.kv_layout().kv_bytes_per_token == choice.kv_bytes_per_token
+    assert choice.same_model
+    assert (m.num_heads, m.hidden, m.intermediate) == (12, 12 * 64, 2048)
+    assert 0.2e9 < model_params(m) < 0.3e9
+    assert choice.to_dict()["model_params"] == model_params(m)
+
+
+def test_model_of_kv_follows_llama_conventions() -> None:
+    # Llama-2-7B's KV (32 x 32 x 128, MHA) gives Llama-2-7B itself: 4096 wide, SwiGLU
+    # 11008, 6 738 415 616 parameters (its published count)
+    llama2 = model_of_kv(32, 32, 128, group=1)
+    assert (llama2.hidden, llama2.num_heads, llama2.intermediate) == (4096, 32, 11008)
+    assert model_params(llama2) == 6_738_415_616
+    # Mistral-7B's KV (32 x 8 x 128, GQA 4:1): width 4096, 32 query heads
+    mistral = model_of_kv(32, 8, 128)
+    assert (mistral.hidden, mistral.num_heads, mistral.num_kv_heads) == (4096, 32, 8)
+    with pytest.raises(LayoutMismatch):
+        model_of_kv(4, 2, 64, group=0)
+
+
+def test_gpu_cost_model_adds_compute_and_weight_traffic() -> None:
+    m = model_of_kv(32, 32, 128, group=1)  # Llama-2-7B
+    dev = DeviceSpec("test", flops=1e15, bandwidth=1e12)
+    layer_params = 202_383_360
+    n, prefix = 100, 0
+    flops = 2 * 32 * layer_params * n + 4 * 32 * 32 * 128 * (n * (n + 1) // 2) + 2 * 4096 * 32000
+    traffic = 2 * (32 * layer_params + (32000 + n) * 4096 + 2 * 32 * 32 * 128 * 2 * n)
+    assert gpu_recompute_s(m, n, prefix, dev) == pytest.approx(flops / 1e15 + traffic / 1e12)
+    # weights dominate a short extend: about 13.5 GB of bf16 at 3.35 TB/s = 4 ms
+    assert 4e-3 < gpu_recompute_s(m, 100, 256, K_H100_SXM) < 6e-3
+    assert gpu_recompute_s(m, 512, 256) > gpu_recompute_s(m, 100, 256)
 
 
 @pytest.mark.parametrize("b", [512, 8, 4096, 131072, 1001, 7, 47616 + 4])
@@ -56,6 +95,8 @@ def test_model_for_bytes_is_exact(b: int) -> None:
     assert choice.shared_pool == (choice.model.kv_layout(16, "float32") == choice.kv_layout)
     if not choice.shared_pool:
         assert str(b) in choice.note
+    # where no float32 shape holds B exactly the two sides are not the same model
+    assert choice.same_model == choice.shared_pool
 
 
 def test_model_for_bytes_rejects_nonpositive() -> None:
@@ -70,10 +111,12 @@ def test_parse_model() -> None:
     assert fp16.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
     assert not fp16.shared_pool and "float32" in fp16.note
     assert (fp16.model.num_layers, fp16.model.num_kv_heads, fp16.model.head_dim) == (32, 8, 128)
+    assert fp16.same_model and fp16.model.hidden == 4096  # the same model, KV kept in float32
     fp32 = parse_model("layers=4,kv_heads=2,head_dim=32,dtype=float32")
     assert fp32.shared_pool and fp32.kv_bytes_per_token == 4 * 2 * 2 * 32 * 4
     mla = parse_model("layers=61,head_dim=576,mla=1,dtype=bfloat16")
     assert mla.kv_bytes_per_token == 61 * 576 * 2 and not mla.shared_pool
+    assert not mla.same_model  # the reference model has no MLA
     for bad in ("layers=4", "layers=x,head_dim=2", "layers=4,head_dim=8,colour=red", "huge"):
         with pytest.raises(LocalProtocolError):
             parse_model(bad)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pddnet.bench import handoff
+from pddnet.bench._handoff_peer import tune_wan_sockets
+from pddnet.control import TcpTuning
+from pddnet.control._tcp import K_TCP_RTO_MIN_US
 from pddnet.emu import unavailable_reason
 
 K_KEYS = {
@@ -62,13 +66,77 @@ def _check_sane(report: dict[str, Any], b: int, repeat: int) -> dict[str, Any]:
     return s
 
 
+def _rto_read_back(us: int | None) -> int:
+    """What the kernel reads back as TCP_RTO_MIN_US after setting ``us`` (None: untouched)."""
+    with socket.socket() as s:
+        if us is not None:
+            s.setsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US, us)
+        return int(s.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US))
+
+
+def _kernel_has_rto_min() -> bool:
+    try:
+        _rto_read_back(5000)
+    except OSError:
+        return False
+    return True
+
+
+needs_rto_min = pytest.mark.skipif(
+    not _kernel_has_rto_min(), reason="kernel lacks TCP_RTO_MIN_US (Linux < 6.15)"
+)
+
+
+@needs_rto_min
+@pytest.mark.parametrize("tcp", ["wan", "default"])
 def test_loopback_run_reports_sane_values(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tcp: str
 ) -> None:
-    report = _run(tmp_path, "--loopback", "--repeat", "3", "--warmup", "1", "--prefix", "32")
-    s = _check_sane(report, 47616, 3)
+    shape = "layers=4,kv_heads=2,head_dim=64,dtype=float32"  # the model's own KV: shared pool
+    report = _run(
+        tmp_path,
+        *("--loopback", "--repeat", "3", "--warmup", "1", "--prefix", "32", "--tcp", tcp),
+        *("--model", shape, "--streams", "3"),
+    )
+    s = _check_sane(report, 4 * 2 * 2 * 64 * 4, 3)
     assert s["network"] == "loopback" and s["fallback"]
     assert "LOOPBACK" in capsys.readouterr().err  # said plainly, not silently
+    # MD recomputed the model whose KV was shipped, at its real width (8 x 64)
+    assert s["same_model"] and report["model"]["model"]["hidden"] == 512
+    assert "width 512" in s["model"]
+    assert 0 < s["gpu_cost_model"]["recompute_ms"] < s["md_compute_mean_ms"]
+    # one TCP setting for both methods: the control connections and every KV stream, at
+    # both ends, are tuned exactly when --tcp wan says so (read back from the kernel)
+    t = s["tcp"]
+    want = _rto_read_back(5000 if tcp == "wan" else None)
+    assert t["setting"] == tcp
+    assert (t["control_connections_tuned"] > 0) == (tcp == "wan")
+    assert len(t["wan_rto_min_us_rld"]) >= 3 and len(t["wan_rto_min_us_md"]) >= 3
+    assert set(t["wan_rto_min_us_rld"]) == set(t["wan_rto_min_us_md"]) == {want}
+
+
+@needs_rto_min
+def test_tune_wan_sockets_tunes_the_connections_of_the_port_only() -> None:
+    tuning = TcpTuning.wan()
+    with socket.socket() as lst, socket.socket() as cli, socket.socket() as other:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen()
+        port = lst.getsockname()[1]
+        cli.connect(("127.0.0.1", port))
+        srv, _ = lst.accept()
+        with srv:
+            default = _rto_read_back(None)
+            # the accepted end (MD: the port is local); the listener is left alone
+            assert tune_wan_sockets(port, True, tuning) == [_rto_read_back(5000)]
+            assert srv.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == _rto_read_back(5000)
+            assert lst.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == default
+            assert cli.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == default
+            # the connecting end (RLD: the port is the peer's)
+            assert tune_wan_sockets(port, False, tuning) == [_rto_read_back(5000)]
+            assert cli.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == _rto_read_back(5000)
+            assert other.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == default
+            # untuned: only read back
+            assert tune_wan_sockets(port + 1, False, None) == []
 
 
 @pytest.mark.netns

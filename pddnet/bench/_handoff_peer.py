@@ -29,7 +29,18 @@ prompt KV and grants the destination slots of the N new tokens
 So both latencies end with the same kind of one-way control message from MD
 back to RLD, and include the same half RTT on the return leg. RLD connects to
 MD's control plane with ``control_paths`` TCP connections (MD answers on every
-one it has heard RLD on), and both nodes set ``control_tcp`` options on them.
+one it has heard RLD on): every control frame of *both* methods (token batch
+and ack; grant and ``KvReady``) travels once per path.
+
+One TCP setting for both methods
+--------------------------------
+``tcp`` (``wan`` or ``default``) is applied alike to the control connections
+(through :class:`~pddnet.control.ControlNode`) and to the WAN data streams
+that carry the KV: before each repetition, untimed, both nodes set the same
+options on every connection of the WAN port (:func:`tune_wan_sockets`) and
+read ``TCP_RTO_MIN_US`` back, which the result reports. So the KV path's bulk
+streams get the 5 ms RTO floor and delayed-ACK ceiling exactly when the
+token-ID path's control connections do.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -55,7 +67,46 @@ def _tcp_tuning(cfg: dict[str, Any]) -> Any:
     """The control plane's TCP options: ``wan`` (5 ms RTO floor and delayed ACK) or None."""
     from ..control import TcpTuning
 
-    return TcpTuning.wan() if cfg.get("control_tcp") == "wan" else None
+    return TcpTuning.wan() if cfg.get("tcp") == "wan" else None
+
+
+def tune_wan_sockets(port: int, local: bool, tuning: Any) -> list[int | None]:
+    """Set ``tuning``'s options on this process's TCP connections of the WAN port.
+
+    Args:
+        port: the WAN receiver's port.
+        local: whether ``port`` is this side's (MD, accepted connections) or
+            the peer's (RLD, connections it made). Listening sockets are skipped.
+        tuning: a :class:`~pddnet.control.TcpTuning`, or None to set nothing.
+
+    Returns:
+        ``TCP_RTO_MIN_US`` read back from each connection, in microseconds (the
+        system's 200 000 when untuned; None where the kernel lacks the option).
+    """
+    from ..control._tcp import K_TCP_RTO_MIN_US
+
+    out: list[int | None] = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile, or not a socket
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.family != socket.AF_INET:
+                    continue
+                ends = (sock.getsockname(), sock.getpeername())
+            except OSError:
+                continue  # not connected: a listener, or already reset
+            if ends[0 if local else 1][1] != port:
+                continue
+            try:
+                for _, opt, value in tuning.options() if tuning is not None else ():
+                    sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+                out.append(sock.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US))
+            except OSError:
+                out.append(None)
+    return out
 
 
 # -- MD ------------------------------------------------------------------------------
@@ -162,6 +213,7 @@ def md_main(cfg: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):  # needs root (CAP_SYS_NICE) to go below 0
             os.nice(int(cfg["nice"]))
     md = _MainDecode(cfg)
+    tuning = _tcp_tuning(cfg)
 
     async def main() -> None:
         bind = cfg["bind"]
@@ -170,7 +222,7 @@ def md_main(cfg: dict[str, Any]) -> None:
                 "md",
                 secret=bytes.fromhex(cfg["secret"]),
                 bind=f"tcp://{bind}:0",
-                tcp=_tcp_tuning(cfg),
+                tcp=tuning,
             ) as node,
             WanReceiver(bind, 0, max_chunk=16 << 20) as rx,
             trio.open_nursery() as nursery,
@@ -190,6 +242,8 @@ def md_main(cfg: dict[str, Any]) -> None:
                 rid_s, _, n_s = msg.request_id.partition(":")
                 rid, n = int(rid_s), int(n_s)
                 md.reset()
+                rto = tune_wan_sockets(wan_port, True, tuning)
+                _emit({"md": {"rid": rid, "kind": "grant", "wan_rto_min_us": rto}})
                 ranges = token_ranges(
                     md.kv_layout, md.ship_pool.num_blocks, md.work.block_table, md.prefix_len, n
                 )
@@ -218,9 +272,9 @@ def md_main(cfg: dict[str, Any]) -> None:
 
             node.route(WanGrantRequest, on_prepare)
             node.route(TokenBatch, on_tokens)
-            ctrl_port = node.address.rsplit(":", 1)[1]
-            wan_port = rx.address.rsplit(":", 1)[1]
-            _emit({"ready": {"control_port": int(ctrl_port), "wan_port": int(wan_port)}})
+            ctrl_port = int(node.address.rsplit(":", 1)[1])
+            wan_port = int(rx.address.rsplit(":", 1)[1])
+            _emit({"ready": {"control_port": ctrl_port, "wan_port": wan_port}})
             await trio.sleep_forever()
 
     trio.run(main)
@@ -258,6 +312,8 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
     from ._handoff_plan import token_ranges
 
     secret = bytes.fromhex(cfg["secret"])
+    tuning = _tcp_tuning(cfg)
+    wan_port = int(cfg["md_wan"].rsplit(":", 1)[1])
     layout = KVLayout.from_dict(cfg["kv_layout"])
     prefix_len = int(cfg["prefix_len"])
     bs = layout.block_size
@@ -276,9 +332,7 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     async def main() -> None:
         async with (
-            ControlNode(
-                "rld", secret=secret, bind="tcp://127.0.0.1:0", tcp=_tcp_tuning(cfg)
-            ) as node,
+            ControlNode("rld", secret=secret, bind="tcp://127.0.0.1:0", tcp=tuning) as node,
             WanSender(
                 cfg["md_wan"],
                 streams=int(cfg["streams"]),
@@ -331,6 +385,7 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
             rid = 0
             done = 0
+            rto: list[int | None] = []
             for n in points:
                 src_ranges = token_ranges(layout, per_seq, src_table, prefix_len, n)
                 kv_s: list[float] = []
@@ -347,6 +402,7 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     )
                     assert isinstance(reply, WanGrant)
                     grant = reply.to_grant()
+                    rto = tune_wan_sockets(wan_port, False, tuning)
                     tokens = [int(t) for t in rng.integers(0, vocab, n)]
                     batch = TokenBatch.build(rid, prefix_len, tokens, True)
                     frame_bytes = token_frame_bytes(batch, secret)
@@ -387,9 +443,14 @@ def rld_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     }
                 )
             cs = node.statistics()
+            out["tcp"] = {
+                "setting": cfg.get("tcp", "default"),
+                "control_connections_tuned": cs.tcp_tuned,
+                # the KV streams at RLD's last repetition (MD's: its "grant" lines)
+                "wan_rto_min_us": rto,
+            }
             out["control"] = {
                 "paths": paths,
-                "tcp": cfg.get("control_tcp", "default"),
                 "tcp_tuned": cs.tcp_tuned,
                 "frames_sent": cs.sent,
                 "copies_sent": cs.copies_sent,

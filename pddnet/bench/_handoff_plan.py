@@ -6,7 +6,12 @@ Nothing here does I/O, so all of it is unit tested without a network.
 * :func:`model_for_bytes` finds a reference-model shape whose KV is exactly
   ``B`` bytes per token (float32, as the NumPy path keeps it), so that shipped
   KV and recomputed KV land in the *same* pool slots;
+* :func:`model_of_kv` completes a KV shape into the whole model that has it
+  (query heads, width, SwiGLU width by Llama's conventions), so that MD
+  recomputes with the model whose KV is shipped, not a narrower one;
 * :func:`parse_model` reads ``--model tiny|<shape>``;
+* :func:`gpu_recompute_s` is a stated cost model of that recompute on a GPU
+  (the bench measures it on CPU; the model is reported apart, as a model);
 * :func:`token_ranges` builds token-granular byte ranges (the incremental KV of
   ``n`` tokens, not whole blocks) in a layer-major logical order that sender
   and receiver derive identically;
@@ -31,9 +36,14 @@ __all__ = [
     "K_DEFAULT_KV_BYTES_PER_TOKEN",
     "K_QUICK_LINK",
     "LinkConditions",
+    "K_H100_SXM",
+    "DeviceSpec",
     "ModelChoice",
     "crossover",
+    "gpu_recompute_s",
     "model_for_bytes",
+    "model_of_kv",
+    "model_params",
     "parse_model",
     "parse_wan",
     "token_ranges",
@@ -41,8 +51,9 @@ __all__ = [
 
 #: 46.5 KiB: the source's 4649 KB per 100-token relay (4 761 600 B / 100).
 K_DEFAULT_KV_BYTES_PER_TOKEN = 47616
-#: Reference-model width used for recompute when a shape gives only the KV side.
-K_DEFAULT_HIDDEN = 128
+#: Query heads per KV head when a shape gives only the KV side: GQA 4:1, the ratio of
+#: Mistral-7B, Llama-3-8B and Llama-3.2-1B (32 query / 8 KV heads).
+K_DEFAULT_GROUP = 4
 #: Llama-2/Mistral vocabulary: about half of the ids need 3 varint bytes.
 K_DEFAULT_VOCAB = 32000
 K_BLOCK_SIZE = 16
@@ -125,44 +136,139 @@ class ModelChoice:
     def kv_bytes_per_token(self) -> int:
         return self.kv_layout.kv_bytes_per_token
 
+    @property
+    def same_model(self) -> bool:
+        """Whether the recomputed model is the one whose KV is shipped (same KV shape).
+
+        Only then may the bench say from which N recompute wins; a float16
+        layout still counts (the NumPy path merely keeps that KV in float32).
+        """
+        k, m = self.kv_layout, self.model
+        return not k.mla and (k.num_layers, k.num_kv_heads, k.head_dim) == (
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kv_layout": self.kv_layout.to_dict(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "model": self.model.to_dict(),
+            "model_params": model_params(self.model),
+            "same_model": self.same_model,
             "shared_pool": self.shared_pool,
             "note": self.note,
         }
 
 
-def _recompute_model(
-    layers: int, kv_heads: int, head_dim: int, hidden: int, vocab: int
+def model_of_kv(
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    group: int = K_DEFAULT_GROUP,
+    vocab: int = K_DEFAULT_VOCAB,
 ) -> ModelConfig:
+    """The Llama-style model whose KV is ``layers`` x ``kv_heads`` x ``head_dim``.
+
+    A KV shape fixes neither the query heads nor the width, so this takes the
+    conventions of current GQA models: ``group`` query heads per KV head,
+    width = query heads x head width (as in every Llama, Mistral and Qwen2),
+    and Llama's SwiGLU width (8/3 of the width, rounded up to a multiple of
+    256). The default 46.5 KiB (31 x 3 x 64) gives 12 heads, width 768,
+    SwiGLU 2048: 0.24 B parameters.
+
+    Raises:
+        LayoutMismatch: for a non-positive dimension.
+    """
+    if group < 1:
+        raise LayoutMismatch(f"group must be at least 1, got {group}")
+    heads = group * kv_heads
+    hidden = heads * head_dim
     return ModelConfig(
         vocab_size=vocab,
         hidden=hidden,
         num_layers=layers,
-        num_heads=2 * kv_heads,
+        num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate=3 * hidden,
+        intermediate=256 * -(-(8 * hidden // 3) // 256),
     )
+
+
+def model_params(cfg: ModelConfig) -> int:
+    """Parameters of the reference model: embedding, layers, final norm, LM head."""
+    h = cfg.hidden
+    per_layer = h * cfg.qkv_width + cfg.num_heads * cfg.head_dim * h + 3 * h * cfg.intermediate
+    return 2 * cfg.vocab_size * h + cfg.num_layers * (per_layer + 2 * h) + h
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """Datasheet throughput of an accelerator, for :func:`gpu_recompute_s`.
+
+    Attributes:
+        name: what the figures are.
+        flops: dense bf16 FLOP/s.
+        bandwidth: memory bandwidth, B/s.
+    """
+
+    name: str
+    flops: float
+    bandwidth: float
+
+
+#: NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16 (no sparsity), 3.35 TB/s HBM3.
+K_H100_SXM = DeviceSpec(
+    "H100 SXM, datasheet peak: 989 TFLOP/s bf16 dense, 3.35 TB/s", 989e12, 3.35e12
+)
+
+
+def gpu_recompute_s(
+    cfg: ModelConfig, n: int, prefix: int, device: DeviceSpec = K_H100_SXM, dtype_bytes: int = 2
+) -> float:
+    """A cost model (not a measurement) of one ``extend`` of ``n`` tokens on a GPU.
+
+    ``FLOPs / device.flops + bytes / device.bandwidth``, in ``dtype_bytes``
+    (bf16) weights and KV: FLOPs = 2 x (layer parameters) x n, plus attention
+    (4 x heads x head width per (query, key) pair over a ``prefix`` + causal
+    context) and the LM head of the last token; bytes = every weight read once
+    (embedding rows of the n tokens only) plus the context's KV read and the
+    new KV written. Compute and memory do not overlap and nothing else costs
+    (no kernel launches, no framework): it is a stated estimate, optimistic
+    by the launch overhead of a real stack (of order 1 ms for 30 layers).
+    """
+    h, layers = cfg.hidden, cfg.num_layers
+    layer_params = (model_params(cfg) - 2 * cfg.vocab_size * h - h) // layers
+    pairs = n * prefix + n * (n + 1) // 2
+    flops = (
+        2 * layers * layer_params * n
+        + 4 * layers * cfg.num_heads * cfg.head_dim * pairs
+        + 2 * h * cfg.vocab_size
+    )
+    kv_token = 2 * layers * cfg.num_kv_heads * cfg.head_dim
+    weights = layers * layer_params + (cfg.vocab_size + n) * h
+    traffic = dtype_bytes * (weights + kv_token * (prefix + 2 * n))
+    return flops / device.flops + traffic / device.bandwidth
 
 
 def model_for_bytes(
     kv_bytes_per_token: int,
     *,
-    hidden: int = K_DEFAULT_HIDDEN,
+    group: int = K_DEFAULT_GROUP,
     vocab: int = K_DEFAULT_VOCAB,
     block_size: int = K_BLOCK_SIZE,
 ) -> ModelChoice:
-    """A reference model whose float32 KV is exactly ``kv_bytes_per_token`` bytes.
+    """The reference model whose float32 KV is exactly ``kv_bytes_per_token`` bytes.
 
     It searches layers (32 down to 1, then up to 128), head widths (128, 64, 32,
     16) and KV heads (up to 16) for ``layers * 2 * kv_heads * head_dim * 4 ==
-    B``; 46.5 KiB gives 31 layers x 3 KV heads x 64. If no shape fits, the
-    shipped KV uses a byte-granular latent layout of B bytes per token and the
-    recompute model is :data:`~pddnet.recompute.TINY`-like (``note`` says so).
+    B``, and completes the shape with :func:`model_of_kv`; 46.5 KiB gives 31
+    layers x 3 KV heads x 64, width 768. If no shape fits, the shipped KV uses
+    a byte-granular latent layout of B bytes per token and the recompute model
+    is :data:`~pddnet.recompute.TINY`-like: not the same model
+    (:attr:`ModelChoice.same_model` is False, ``note`` says so).
 
     Raises:
         LocalProtocolError: if ``kv_bytes_per_token`` is not positive.
@@ -178,11 +284,11 @@ def model_for_bytes(
             for head_dim in (128, 64, 32, 16):
                 rest = per // layers
                 if rest % head_dim == 0 and 1 <= rest // head_dim <= 16:
-                    cfg = _recompute_model(layers, rest // head_dim, head_dim, hidden, vocab)
+                    cfg = model_of_kv(layers, rest // head_dim, head_dim, group=group, vocab=vocab)
                     return ModelChoice(cfg.kv_layout(block_size, "float32"), cfg, True)
     layers = 32 if b % 32 == 0 else 1
     layout = KVLayout(layers, 1, b // layers, block_size, dtype="uint8", mla=True)
-    cfg = _recompute_model(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, hidden, vocab)
+    cfg = model_of_kv(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, group=group, vocab=vocab)
     note = (
         f"no float32 reference shape holds exactly {b} B/token: shipped KV uses a "
         f"{layers}-layer byte latent of {b} B/token, recompute runs a "
@@ -194,7 +300,7 @@ def model_for_bytes(
 def parse_model(
     text: str,
     *,
-    hidden: int = K_DEFAULT_HIDDEN,
+    group: int = K_DEFAULT_GROUP,
     vocab: int = K_DEFAULT_VOCAB,
     block_size: int = K_BLOCK_SIZE,
 ) -> ModelChoice:
@@ -202,8 +308,8 @@ def parse_model(
 
     ``tiny`` is the reference :data:`~pddnet.recompute.TINY` model itself (512
     B/token). For a shape, B comes from its :class:`~pddnet.kv.KVLayout`; MD
-    recomputes with a reference model of the same layers, KV heads and head
-    width (``hidden`` wide), whose KV is float32: if the shape's dtype is not
+    recomputes with :func:`model_of_kv` of the same layers, KV heads and head
+    width, whose KV is float32: if the shape's dtype is not
     float32 (or it is MLA) the shipped bytes go to a separate pool of the
     shape's layout, and ``note`` says so.
 
@@ -230,7 +336,7 @@ def parse_model(
     if fields:
         raise LocalProtocolError(f"unknown --model keys {sorted(fields)}")
     layout = KVLayout(layers, kv_heads, head_dim, block_size, dtype=dtype, mla=mla)
-    cfg = _recompute_model(layers, kv_heads, head_dim, hidden, vocab)
+    cfg = model_of_kv(layers, kv_heads, head_dim, group=group, vocab=vocab)
     if layout == cfg.kv_layout(block_size, "float32"):
         return ModelChoice(layout, cfg, True)
     note = (

@@ -17,12 +17,23 @@ on a link of your choosing, in the same run, with real processes: MD in DC-B
 
 Both latencies are taken on RLD's clock and end with a control message from MD
 (see :mod:`pddnet.bench._handoff_peer`). RLD reaches MD's control plane over two
-TCP connections by default (``--control-paths``: every control frame travels
-once per path, the first copy wins, so a lost one-packet message does not wait
-for TCP's tail-loss probe) with WAN TCP options (``--control-tcp``); the token
-payload counts every copy. ``--sweep`` runs N from 1 to 512 on
-several links and finds where recompute starts to win. docs/handoff-bench.md
-has the results and the discussion.
+TCP connections by default (``--control-paths``: every control frame of both
+methods travels once per path, the first copy wins, so a lost one-packet
+message does not wait for TCP's tail-loss probe); the token payload counts
+every copy. ``--tcp`` is one setting for both methods: the WAN TCP options
+(5 ms RTO floor and delayed-ACK ceiling) go on the control connections *and*
+on the KV's data streams, or on neither.
+
+Like with like: MD recomputes with the model whose KV is shipped. By default
+that is 46.5 KiB/token = 31 layers x 3 KV heads x 64 in float32, completed
+into a whole model by :func:`~pddnet.bench._handoff_plan.model_of_kv` (12
+query heads, width 768, SwiGLU 2048: 0.24 B parameters), measured on this
+machine's CPU (NumPy). Beside it the report gives a cost model of the same
+recompute on a GPU (:func:`~pddnet.bench._handoff_plan.gpu_recompute_s`),
+labelled as a model, never mixed with the measurement. ``--sweep`` runs N from
+1 to 512 on several links and finds where recompute starts to win (only when
+the two sides are the same model). docs/handoff-bench.md has the results and
+the discussion.
 """
 
 from __future__ import annotations
@@ -44,14 +55,17 @@ import numpy as np
 from .._errors import LocalProtocolError, TransportError
 from ._common import Progress, add_common_arguments, print_table, pyplot, write_report
 from ._handoff_plan import (
-    K_DEFAULT_HIDDEN,
+    K_DEFAULT_GROUP,
     K_DEFAULT_KV_BYTES_PER_TOKEN,
     K_DEFAULT_VOCAB,
+    K_H100_SXM,
     K_QUICK_LINK,
     LinkConditions,
     ModelChoice,
     crossover,
+    gpu_recompute_s,
     model_for_bytes,
+    model_params,
     parse_model,
     parse_wan,
     summary_stats,
@@ -96,7 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="N from 1 to 512 on several links")
     parser.add_argument("--loopback", action="store_true", help="skip the emulated WAN")
     parser.add_argument("--prefix", type=int, default=256, help="prompt tokens MD already holds")
-    parser.add_argument("--hidden", type=int, default=K_DEFAULT_HIDDEN, help="recompute width")
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=K_DEFAULT_GROUP,
+        help="query heads per KV head of the model whose KV is shipped (its width follows)",
+    )
     parser.add_argument("--vocab", type=int, default=K_DEFAULT_VOCAB, help="vocabulary size")
     parser.add_argument("--streams", type=int, default=8, help="WAN sender TCP streams")
     parser.add_argument("--chunk", type=int, default=1 << 20, help="WAN chunk size, bytes")
@@ -105,15 +124,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--control-paths",
         type=int,
         default=2,
-        help="TCP connections RLD opens to MD's control plane; every control frame travels "
-        "once per path, the first copy wins (1: a single connection, exposed to TCP tail loss)",
+        help="TCP connections RLD opens to MD's control plane; every control frame of both "
+        "methods travels once per path, the first copy wins (1: a single connection)",
     )
     parser.add_argument(
-        "--control-tcp",
+        "--tcp",
         choices=("default", "wan"),
         default="wan",
-        help="TCP options of the control connections: the system's, or wan (RTO floor and "
-        "delayed-ACK ceiling of 5 ms, Linux 6.15+; see pddnet.control.TcpTuning)",
+        help="TCP options of every connection of both methods (control and KV data streams): "
+        "the system's, or wan (RTO floor and delayed-ACK ceiling of 5 ms, Linux 6.15+; see "
+        "pddnet.control.TcpTuning)",
     )
     parser.add_argument("--device", choices=("auto", "numpy", "cupy"), default="auto")
     parser.add_argument(
@@ -142,9 +162,9 @@ def _device(want: str) -> str:
 
 def _choice(args: argparse.Namespace) -> ModelChoice:
     if args.model:
-        return parse_model(args.model, hidden=args.hidden, vocab=args.vocab)
+        return parse_model(args.model, group=args.group, vocab=args.vocab)
     b = args.kv_bytes_per_token or K_DEFAULT_KV_BYTES_PER_TOKEN
-    return model_for_bytes(b, hidden=args.hidden, vocab=args.vocab)
+    return model_for_bytes(b, group=args.group, vocab=args.vocab)
 
 
 # -- processes ----------------------------------------------------------------------
@@ -250,7 +270,7 @@ def run_link(
         "max_tokens": max(tokens),
         "device": device,
         "nice": args.md_nice,
-        "control_tcp": args.control_tcp,
+        "tcp": args.tcp,
         "bind": "0.0.0.0" if emulate else "127.0.0.1",
     }
     with _hosts(link, emulate) as (spawn_md, spawn_rld, md_addr, backend):
@@ -271,7 +291,7 @@ def run_link(
                 "chunk": args.chunk,
                 "gap": args.gap,
                 "control_paths": args.control_paths,
-                "control_tcp": args.control_tcp,
+                "tcp": args.tcp,
             }
             rld = _Peer(spawn_rld(_argv("rld", rld_cfg), **pipes), "rld")
             while True:
@@ -394,6 +414,32 @@ def _decompose(res: dict[str, Any], pt: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _tcp_stats(res: dict[str, Any]) -> dict[str, Any]:
+    """The one TCP setting and where it took: control connections, both ends' KV streams."""
+    out: dict[str, Any] = dict(res.get("tcp", {}))
+    grants = [m["wan_rto_min_us"] for m in res["md"] if "wan_rto_min_us" in m]
+    out["wan_rto_min_us_md"] = grants[-1] if grants else []
+    out["wan_rto_min_us_rld"] = out.pop("wan_rto_min_us", [])
+    return out
+
+
+def _gpu_model(
+    res: dict[str, Any], pt: dict[str, Any], choice: ModelChoice, prefix: int
+) -> dict[str, Any]:
+    """Token-ID latency with MD's measured CPU recompute replaced by the GPU cost model.
+
+    A model, not a measurement: the measured non-compute part (network, framing)
+    plus :func:`gpu_recompute_s` of the same model and N.
+    """
+    compute = _md_times(res, "compute_s", pt["request_ids"])
+    gpu_s = gpu_recompute_s(choice.model, pt["tokens"], prefix)
+    out: dict[str, Any] = {"device": K_H100_SXM.name, "recompute_ms": gpu_s * 1e3}
+    if len(compute) == len(pt["token_s"]):
+        rest = float(np.mean(pt["token_s"]) - np.mean(compute))
+        out["token_ids_mean_ms"] = (rest + gpu_s) * 1e3
+    return out
+
+
 def _control_stats(res: dict[str, Any]) -> dict[str, Any]:
     """RLD's control-plane counters, plus the duplicate copies MD dropped."""
     out: dict[str, Any] = dict(res.get("control", {}))
@@ -421,6 +467,7 @@ def _summary(
             "token_frame_bytes": pt.get("token_frame_bytes", pt["token_payload_bytes"]),
             "control_paths": res.get("control_paths", 1),
             "control": _control_stats(res),
+            "tcp": _tcp_stats(res),
             "kv_payload_bytes": pt["kv_payload_bytes"],
             "kv_wire_bytes_mean": float(np.mean(pt["kv_wire_bytes"])),
             "recompute_cv": tok["cv"],
@@ -431,6 +478,10 @@ def _summary(
             **{f"recompute_{k}_ms": tok[k] * 1e3 for k in ("mean", "p50", "p99", "max", "std")},
             **_decompose(res, pt),
             "kv_bytes_per_token": choice.kv_bytes_per_token,
+            "model": _model_name(choice),
+            "same_model": choice.same_model,
+            "recompute_measured_on": "cpu (numpy)" if args.device != "cupy" else "gpu (cupy)",
+            "gpu_cost_model": _gpu_model(res, pt, choice, args.prefix),
             "repeat": len(pt["kv_s"]),
             "link": res["link"]["name"],
             "network": "emulated" if res["backend"] != "loopback" else "loopback",
@@ -438,6 +489,38 @@ def _summary(
         }
     )
     return s
+
+
+def _model_name(choice: ModelChoice) -> str:
+    m = choice.model
+    return (
+        f"{m.num_layers} layers, {m.num_heads} query / {m.num_kv_heads} KV heads of "
+        f"{m.head_dim}, width {m.hidden}, SwiGLU {m.intermediate}, vocab {m.vocab_size}: "
+        f"{model_params(m) / 1e9:.2f} B parameters"
+    )
+
+
+def _crossovers(results: list[dict[str, Any]], choice: ModelChoice, prefix: int) -> dict[str, Any]:
+    """Per link: measured crossovers (mean, p50, p99) and the GPU cost model's (mean)."""
+    stats: dict[str, Callable[[Any], Any]] = {
+        "mean": np.mean,
+        "p50": np.median,
+        "p99": lambda a: np.percentile(a, 99),
+    }
+    cross: dict[str, Any] = {}
+    for res in results:
+        ns = [pt["tokens"] for pt in res["points"]]
+        kv = [pt["kv_s"] for pt in res["points"]]
+        row = {
+            s: crossover(ns, [fn(k) for k in kv], [fn(pt["token_s"]) for pt in res["points"]])
+            for s, fn in stats.items()
+        }
+        gpu = [_gpu_model(res, pt, choice, prefix).get("token_ids_mean_ms") for pt in res["points"]]
+        if all(g is not None for g in gpu):
+            gpu_s = [float(g) / 1e3 for g in gpu if g is not None]
+            row["gpu_model_mean"] = crossover(ns, [np.mean(k) for k in kv], gpu_s)
+        cross[res["link"]["name"]] = row
+    return cross
 
 
 def main(args: argparse.Namespace) -> int:
@@ -448,8 +531,8 @@ def main(args: argparse.Namespace) -> int:
     choice = _choice(args)
     device = _device(args.device)
     if args.repeat is None:
-        # quick: 60 pairs (~30 s) so that a 0.5%-loss link shows its tail in one run
-        args.repeat = 60 if args.quick and not args.sweep else (10 if args.sweep else 50)
+        # quick: 30 pairs (about a minute with the 0.24 B model's CPU recompute)
+        args.repeat = 30 if args.quick and not args.sweep else (10 if args.sweep else 50)
     if args.sweep:
         tokens = [1, 16, 100, 256] if args.quick else list(K_SWEEP_TOKENS)
         if args.wan:
@@ -481,9 +564,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"NOTE: {choice.note}", file=sys.stderr)
     print(
         f"KV {choice.kv_bytes_per_token} B/token ({choice.kv_layout.num_layers} layers); "
-        f"recompute: {choice.model.num_layers} layers x {choice.model.num_kv_heads} KV heads x "
-        f"{choice.model.head_dim}, hidden {choice.model.hidden}, vocab "
-        f"{choice.model.vocab_size} on {device}; prompt {args.prefix} tokens",
+        f"recompute (same model: {choice.same_model}): {_model_name(choice)}, on {device}; "
+        f"prompt {args.prefix} tokens; TCP options {args.tcp} on control and KV connections",
         file=sys.stderr,
     )
     total = len(links) * len(tokens) * args.repeat
@@ -507,25 +589,28 @@ def main(args: argparse.Namespace) -> int:
     summary = _summary(results, n_main, choice, args)
     summary["device"] = device
     summary["fallback"] = fallback or None
-    cross: dict[str, Any] = {}
-    if args.sweep:
-        for res in results:
-            ns = [pt["tokens"] for pt in res["points"]]
-            cross[res["link"]["name"]] = {
-                stat: crossover(
-                    ns,
-                    [fn(pt["kv_s"]) for pt in res["points"]],
-                    [fn(pt["token_s"]) for pt in res["points"]],
-                )
-                for stat, fn in (
-                    ("mean", np.mean),
-                    ("p50", np.median),
-                    ("p99", lambda a: np.percentile(a, 99)),
-                )
+    gm = summary["gpu_cost_model"]
+    print_table(
+        [
+            {
+                "N": summary["tokens"],
+                "recompute_ms (model)": gm["recompute_ms"],
+                "token-IDs mean_ms (model)": gm.get("token_ids_mean_ms"),
+                "ship-KV mean_ms (measured)": summary["kv_ship_mean_ms"],
             }
+        ],
+        title=f"\nGPU COST MODEL, not a measurement ({gm['device']}; token-IDs = measured "
+        "non-compute part + modelled recompute of the same model)",
+    )
+    cross: dict[str, Any] = {}
+    if args.sweep and not choice.same_model:
+        print("\nNOTE: no crossover: the recomputed model is not the one whose KV is shipped")
+    elif args.sweep:
+        cross = _crossovers(results, choice, args.prefix)
         print_table(
             [{"link": k, **{f"crossover_{s}_N": v[s] for s in v}} for k, v in cross.items()],
-            title="\nrecompute wins from N = (None: not up to the largest N)",
+            title=f"\nrecompute wins from N = (None: not up to the largest N; measured on "
+            f"{device}; gpu_model: the cost model above) for {_model_name(choice)}",
         )
         summary["crossover"] = cross
     if fallback:
