@@ -3,7 +3,8 @@
 ``prefill`` hosts the rendezvous and plays P and the user: it submits a
 continuous stream of random prompts (random route) for ``duration_s``, each
 with a deadline, records every token the sink receives and how each request
-ended, then drains, waits for its lease table to empty and probes both
+ended (in a journal file the orchestrator reads, so the records outlive a
+killed P), then drains, waits for its lease table to empty and probes both
 decoders' block accounting. ``relay`` and ``main`` run the decode endpoints
 with the reference engine and answer :class:`FaultProbe` with their block
 counts. Every role prints one ``ready``/``running`` line; the orchestrator
@@ -19,7 +20,7 @@ import json
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import msgpack
 import trio
@@ -152,12 +153,22 @@ K_HANG_GRACE_S = 1.0
 
 
 class _Front:
-    """The user's side: each request's outcome and P's block releases."""
+    """The user's side: each request's outcome and P's block releases.
 
-    def __init__(self) -> None:
-        self.recs: dict[int, dict[str, Any]] = {}
+    Every record also goes to the journal (``cfg["journal"]``, one JSON line
+    per change, flushed at once), a file outside P: when P is killed the
+    orchestrator still reads which requests were submitted and how far each got.
+    """
+
+    def __init__(self, journal: TextIO) -> None:
         self.released: dict[int, trio.Event] = {}
         self.release_error: dict[int, tuple[float, str]] = {}  # (when, error)
+        self._journal = journal
+
+    def record(self, rec: dict[str, Any]) -> None:
+        """Journal ``rec`` (a request's latest line wins)."""
+        self._journal.write(json.dumps(rec) + "\n")
+        self._journal.flush()  # one write(2): the line survives a SIGKILL of P
 
 
 async def _worker(
@@ -186,7 +197,7 @@ async def _worker(
             "error": None,
             "t0": time.time(),
         }
-        front.recs[rid] = rec
+        front.record(rec)
         front.released[rid] = trio.Event()
         seq = model.new_sequence()
         model.reserve(seq, len(prompt))
@@ -224,17 +235,23 @@ async def _worker(
             if perr is not None and perr[0] <= t_dead:
                 rec["error_at_p"] = perr[1]
         rec["elapsed_s"] = time.time() - rec["t0"]
+        front.record(rec)
         # the source blocks stay with pddnet until BlocksReleased
         with trio.move_on_after(cfg["lease_s"] + 5.0):
             await front.released[rid].wait()
         rec["released"] = front.released[rid].is_set()
+        front.record(rec)
         if rec["released"]:
             model.release(seq)
 
 
 async def prefill(cfg: dict[str, Any]) -> None:
     model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
-    front = _Front()
+    with open(cfg["journal"], "a") as journal:
+        await _prefill(cfg, model, _Front(journal))
+
+
+async def _prefill(cfg: dict[str, Any], model: ReferenceModel, front: _Front) -> None:
     async with PrefillEndpoint(
         "p",
         model.pool,
@@ -292,7 +309,6 @@ async def prefill(cfg: dict[str, Any]) -> None:
                     await trio.sleep(0.05)
             decoders = await settle_decoders(p.node, cfg["settle_s"])
             out = {
-                "requests": list(front.recs.values()),
                 "sink": dataclasses.asdict(p.sink.statistics()),
                 "p": {
                     "held_blocks": p.statistics().held_blocks,
@@ -317,7 +333,7 @@ async def prober(cfg: dict[str, Any]) -> None:
             await node.connect(peer, cfg["control"][peer])
         decoders = await settle_decoders(node, cfg["settle_s"])
     with open(cfg["out"], "w") as f:
-        json.dump({"requests": [], "p": None, "decoders": decoders}, f)
+        json.dump({"p": None, "decoders": decoders}, f)
 
 
 def main() -> None:

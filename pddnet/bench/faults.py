@@ -17,12 +17,17 @@ Every request must finish with the single-instance greedy tokens or fail with
 a typed error (``RequestAborted``, ``PeerUnavailable``, ``TransferTimeout``,
 or a typed exception from ``submit``) by its deadline. After the episode P's
 lease table must be empty, P's pool back to its baseline, and each surviving
-decoder idle with every block either free or in MD's radix cache. The
-summary counts ``completed``, ``typed_errors`` (``deadline_timeouts`` of them
-ended by the sink at the deadline: typed, but possibly a stuck decoder),
-``lost`` (no outcome recorded), ``hung`` (the stream had not ended 1 s after
-the deadline, or a decoder was still busy after settling; ``hung_error_at_p``
-of them did give P's engine a typed error in time, as ``BlocksReleased.error``),
+decoder idle with every block either free or in MD's radix cache. P journals
+every request to a file outside its process, so a killed P's requests are
+counted too: those it had finished keep their outcome, those still in flight
+end as ``killed_with_p`` (their user died with P). The summary counts
+``completed``, ``typed_errors`` (``deadline_timeouts`` of them ended by the
+sink at the deadline: typed, but possibly a stuck decoder; ``killed_with_p``
+of them cut off by a P kill), ``lost`` (no outcome recorded), ``hung`` (the
+stream had not ended 1 s after the deadline, a decoder was still busy after
+settling, or a surviving decoder did not answer the probe at all:
+``unreachable_survivors``; ``hung_error_at_p`` of them did give P's engine a
+typed error in time, as ``BlocksReleased.error``),
 ``corrupted`` (a request whose stream is wrong: ``wrong_token``,
 ``missing_position`` in a finished stream, or ``duplicate_position``),
 ``leaked_blocks``, ``crashed`` (a decoder that died although no fault killed
@@ -54,7 +59,17 @@ from ..recompute import TINY, ReferenceModel, greedy
 from ._common import add_common_arguments, print_table, write_report
 from ._faults_peer import rss_kb
 
-__all__ = ["FAULTS", "add_arguments", "check_episode", "main", "reference", "run_episode"]
+__all__ = [
+    "FAULTS",
+    "add_arguments",
+    "check_episode",
+    "journal_requests",
+    "main",
+    "passed",
+    "reference",
+    "run_episode",
+    "totals",
+]
 
 FAULTS = ("none", "link_down", "burst_loss", "stream_reset", "kill_p", "kill_rld", "kill_md")
 # the faults a long-lived run repeats: the ones every process survives
@@ -63,6 +78,9 @@ K_LONG_FAULT_EVERY_S = (5.0, 15.0)
 K_LINK_DOWN_S = 2.0
 K_ROUTES = ("auto", "p-md", "p-rld-md")
 _ROLES = ("prefill", "relay", "main")
+_KILLED = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}  # fault -> its victim
+# the outcome of a request still in flight when P, which also hosts its user, was killed
+K_KILLED_WITH_P = "killed_with_p"
 _PEER = [sys.executable, "-m", "pddnet.bench._faults_peer"]
 
 
@@ -193,8 +211,8 @@ def _inject(fault: str, wan: Testbed | None, procs: dict[str, _Proc]) -> str:
             return "skipped: stream resets need the emulated WAN"
         res = wan.p.run(["ss", "-K", "dst", wan.md.addr], check=False)
         return f"ss -K dst {wan.md.addr}: rc {res.returncode} {res.stderr.strip()[:80]}"
-    if fault.startswith("kill_"):
-        role = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}[fault]
+    if fault in _KILLED:
+        role = _KILLED[fault]
         procs[role].kill()
         return f"kill -9 {role} (pid {procs[role].proc.pid})"
     if fault == "burst_loss":  # set up with the link, for the whole episode
@@ -230,8 +248,9 @@ def run_episode(
 
     Returns:
         ``{"fault", "link", "injected", "requests", "p", "decoders",
-        "decoders_start", "crashed", "log", "wall_s"}`` (``p`` is None and
-        ``requests`` empty when P was killed).
+        "decoders_start", "crashed", "log", "wall_s"}``; ``requests`` comes
+        from P's journal (:func:`journal_requests`), so a killed P's requests
+        are there too; ``p`` is None when P was killed.
 
     Raises:
         RuntimeError: if P did not start.
@@ -243,6 +262,7 @@ def run_episode(
     with tempfile.TemporaryDirectory() as tmp, _link(fault, loopback, seed) as wan:
         cfg = base_config(seed, duration_s, concurrency, routes, request_timeout_s)
         cfg["out"] = str(Path(tmp) / "episode.json")
+        cfg["journal"] = str(Path(tmp) / "requests.jsonl")
         cfg["rss_every_s"] = rss_every_s
         if wan is not None:
             hosts = {"prefill": wan.p.addr, "relay": wan.rld.addr, "main": wan.md.addr}
@@ -285,8 +305,10 @@ def run_episode(
                 bound = duration_s + cfg["request_timeout_s"] + 2 * cfg["lease_s"] + 40
                 procs["prefill"].proc.wait(timeout=bound + cfg["settle_s"])
             data = json.loads(Path(cfg["out"]).read_text())
+            journal = Path(cfg["journal"]).read_text() if Path(cfg["journal"]).exists() else ""
+            data["requests"] = journal_requests(journal, p_killed=fault == "kill_p")
             # a process that died although no fault killed it crashed
-            killed = {"kill_p": "prefill", "kill_rld": "relay", "kill_md": "main"}.get(fault)
+            killed = _KILLED.get(fault)
             crashed = [
                 f"{r} (exit {p.proc.returncode})"
                 for r, p in procs.items()
@@ -305,6 +327,35 @@ def run_episode(
         "crashed": crashed,
         **data,
     }
+
+
+def journal_requests(text: str, *, p_killed: bool) -> list[dict[str, Any]]:
+    """The requests of P's journal (JSON lines; a request's last line wins).
+
+    A request without an outcome was still in flight when P stopped writing:
+    with ``p_killed`` (the fault killed P, and the user it hosts) its outcome
+    becomes :data:`K_KILLED_WITH_P`; otherwise it stays None (lost). A last
+    line cut short by the kill is skipped: that request's earlier line holds.
+
+    Raises:
+        ValueError: a malformed line other than a cut-short last one.
+    """
+    recs: dict[int, dict[str, Any]] = {}
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1 and p_killed:  # no newline after it: the kill cut it
+                continue
+            raise ValueError(f"P's journal, line {i + 1}: {exc}: {line[:80]!r}") from exc
+        recs[rec["request_id"]] = rec
+    out = list(recs.values())
+    if p_killed:
+        out = [r if r["outcome"] else {**r, "outcome": K_KILLED_WITH_P} for r in out]
+    return out
 
 
 _REF_MODEL: list[ReferenceModel] = []
@@ -326,18 +377,27 @@ def reference(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+_LISTS = ("errors", "error_examples", "unaccounted", "unreachable", "bad_requests")  # not row cells
+
+
 def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     """Classify an episode's requests and block accounting.
 
     Returns:
-        counts: ``requests``, ``completed``, ``typed_errors``, ``lost``, ``hung``,
-        ``corrupted``, ``leaked_blocks``, ``unaccounted`` (accounting not
-        checkable: a killed process), and ``errors`` (distinct reasons).
+        counts: ``requests``, ``completed``, ``typed_errors`` (``killed_with_p``
+        of them were in flight when the fault killed P and the user it hosts),
+        ``lost``, ``hung`` (hung requests, plus every request a surviving decoder
+        still serves after settling, plus every surviving decoder that does not
+        answer the probe: those are listed in ``unreachable``), ``corrupted``,
+        ``leaked_blocks``, ``unaccounted`` (the accounting a killed process took
+        with it) and ``errors`` (distinct reasons).
     """
     out: dict[str, Any] = dict.fromkeys(
         ("requests", "completed", "typed_errors", "lost", "hung", "corrupted", "leaked_blocks"), 0
     )
-    out.update(wrong_token=0, duplicate_position=0, missing_position=0, hung_error_at_p=0)
+    out.update(
+        wrong_token=0, duplicate_position=0, missing_position=0, hung_error_at_p=0, killed_with_p=0
+    )
     out["bad_requests"] = []
     reasons: dict[str, int] = {}
     examples: list[str] = []  # a few typed errors in full, for the report
@@ -362,6 +422,11 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
             reasons[key] = reasons.get(key, 0) + 1
             if len(examples) < 5:
                 examples.append(f"{rec['route']}: {rec['error']}"[:400])
+        elif rec["outcome"] == K_KILLED_WITH_P:
+            # its user died with P: nobody can read it; the decoders must let it go
+            out["typed_errors"] += 1
+            out["killed_with_p"] += 1
+            reasons["killed with P"] = reasons.get("killed with P", 0) + 1
         elif rec["outcome"] == "hung":
             out["hung"] += 1
             out["hung_error_at_p"] += int(bool(rec.get("error_at_p")))
@@ -372,19 +437,26 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
             # keep the evidence (the reference too) for the report
             out["bad_requests"].append({**rec, "reference": ref})
     unaccounted = []
+    unreachable = []
     p = ep.get("p")
     if p is not None:
         out["leaked_blocks"] += p["held_blocks"] + (p["baseline_free_blocks"] - p["free_blocks"])
     else:
         unaccounted.append("p (killed)")
+    killed = _KILLED.get(ep["fault"])
     for role, doc in (ep.get("decoders") or {}).items():
-        if doc is None:
-            unaccounted.append(f"{role} (unreachable)")
+        if doc is None and role == killed:
+            unaccounted.append(f"{role} (killed)")
+            continue
+        if doc is None:  # a survivor that stopped answering: whatever it holds is stuck
+            unreachable.append(role)
+            out["hung"] += 1
             continue
         out["leaked_blocks"] += doc["num_blocks"] - doc["free_blocks"] - doc["cache_blocks"]
         out["hung"] += doc["active"]  # a decoder still working on a request after settling
     out["crashed"] = len(ep.get("crashed", []))
     out["unaccounted"] = unaccounted
+    out["unreachable"] = unreachable
     out["errors"] = reasons
     out["error_examples"] = examples
     # a stream the sink ended at its deadline is typed, but may hide a stuck decoder
@@ -399,6 +471,43 @@ def check_episode(ep: dict[str, Any]) -> dict[str, Any]:
     out["sink_rounds"] = sink.get("rounds", 0)  # the sink asked decoders to re-send
     out["sink_duplicates"] = sink.get("duplicates", 0)
     return out
+
+
+# the episodes' counts the summary adds up, and those a passing run has at 0
+K_SUMMED = (
+    "requests",
+    "completed",
+    "typed_errors",
+    "lost",
+    "hung",
+    "hung_error_at_p",
+    "killed_with_p",
+    "corrupted",
+    "wrong_token",
+    "missing_position",
+    "duplicate_position",
+    "leaked_blocks",
+    "crashed",
+    "deadline_timeouts",
+    "sink_rounds",
+    "sink_duplicates",
+)
+K_MUST_BE_ZERO = ("lost", "hung", "corrupted", "leaked_blocks", "crashed")
+
+
+def totals(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's counts: :data:`K_SUMMED` over the episodes' :func:`check_episode`
+    results, ``episodes``, and ``unreachable_survivors`` (surviving decoders that
+    did not answer the probe; each is also in ``hung``)."""
+    out: dict[str, Any] = {k: sum(r[k] for r in results) for k in K_SUMMED}
+    out["episodes"] = len(results)
+    out["unreachable_survivors"] = sum(len(r["unreachable"]) for r in results)
+    return out
+
+
+def passed(summary: dict[str, Any], failures: list[str]) -> bool:
+    """Whether a run passes: every episode ran, and :data:`K_MUST_BE_ZERO` are all 0."""
+    return not failures and all(summary[k] == 0 for k in K_MUST_BE_ZERO)
 
 
 def second_half_growth(samples: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -502,35 +611,14 @@ def main(args: argparse.Namespace) -> int:
             {
                 "episode": i,
                 "fault": fault,
-                **{
-                    k: v
-                    for k, v in res.items()
-                    if k not in ("errors", "error_examples", "unaccounted", "bad_requests")
-                },
+                **{k: v for k, v in res.items() if k not in _LISTS},
                 "unaccounted": ",".join(res["unaccounted"]) or "-",
+                "unreachable": ",".join(res["unreachable"]) or "-",
                 "wall_s": round(ep["wall_s"], 1),
             }
         )
-    keys = (
-        "completed",
-        "typed_errors",
-        "lost",
-        "hung",
-        "hung_error_at_p",
-        "corrupted",
-        "wrong_token",
-        "missing_position",
-        "duplicate_position",
-        "leaked_blocks",
-        "crashed",
-        "deadline_timeouts",
-        "sink_rounds",
-        "sink_duplicates",
-    )
-    summary: dict[str, Any] = {k: sum(r[k] for r in rows) for k in keys}
+    summary: dict[str, Any] = totals([ep["result"] for _, _, ep in results])
     summary.update(
-        episodes=len(rows),
-        requests=sum(r["requests"] for r in rows),
         rss_growth=1024 * max((r["rss_growth_kb"] for r in rows), default=0),
         bench_rss_growth=1024 * (rss_kb(os.getpid()) - rss0),
         request_deadline_s=deadline_s,
@@ -547,7 +635,4 @@ def main(args: argparse.Namespace) -> int:
         {k: v for k, v in ep.items() if k != "requests"} | {"episode": i} for i, _, ep in results
     ]
     write_report(args.json, summary, episodes=episodes, rows=rows)
-    ok = not failures and all(
-        summary[k] == 0 for k in ("lost", "hung", "corrupted", "leaked_blocks", "crashed")
-    )
-    return 0 if ok else 1
+    return 0 if passed(summary, failures) else 1
