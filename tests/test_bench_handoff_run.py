@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,12 @@ def test_tune_wan_sockets_tunes_the_connections_of_the_port_only() -> None:
             assert other.getsockopt(socket.IPPROTO_TCP, K_TCP_RTO_MIN_US) == default
             # untuned: only read back
             assert tune_wan_sockets(port + 1, False, None) == []
+            # descriptors that are not sockets are not leaked (a dup per call ran out of fds)
+            with open(__file__) as f:
+                before = len(os.listdir("/proc/self/fd"))
+                for _ in range(5):
+                    tune_wan_sockets(port, True, tuning)
+                assert len(os.listdir("/proc/self/fd")) == before and not f.closed
 
 
 @pytest.mark.netns

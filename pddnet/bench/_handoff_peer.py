@@ -88,9 +88,14 @@ def tune_wan_sockets(port: int, local: bool, tuning: Any) -> list[int | None]:
     out: list[int | None] = []
     for name in os.listdir("/proc/self/fd"):
         try:
-            sock = socket.socket(fileno=os.dup(int(name)))
+            dup = os.dup(int(name))
         except OSError:
-            continue  # closed meanwhile, or not a socket
+            continue  # closed meanwhile
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # not a socket
+            os.close(dup)
+            continue
         with sock:
             try:
                 if sock.type != socket.SOCK_STREAM or sock.family != socket.AF_INET:
