@@ -636,10 +636,16 @@ class RelayEndpoint(_DecodeEndpoint):
         self.cut_off_wan = cut_off_wan
 
     def _default_receiver(self, data_host: str) -> Receiver:
-        # the local path: UCX where ucxx is installed (RDMA/shared memory/tcp),
-        # else TCP with a one-time warning
+        """The local path: UCX where ucxx imports (RDMA/shared memory/tcp), else
+        TCP with a warning that says so (senders follow the published address)."""
         if local_available():  # senders prove the control plane's secret first
             return open_local_receiver(secret=self.node.key, **self.local_options)
+        log.warning(
+            "relay %s: ucxx is not installed (ucxx._lib.libucxx does not import), so the"
+            " local path (P->RLD) takes TCP on %s; install pddnet[ucx] for UCX",
+            self.name,
+            data_host,
+        )
         return self._wan_receiver(data_host)
 
     async def _serve(self, req: _Request) -> None:

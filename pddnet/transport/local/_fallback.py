@@ -20,11 +20,13 @@ def local_available() -> bool:
 
 
 def _warn_once() -> None:
+    # only open_local_receiver calls it, when ucxx does not import
     global _warned
     if not _warned:
         _warned = True
         log.warning(
-            "ucxx is not installed: the local path falls back to TCP (pddnet.transport.wan). "
+            "ucxx is not installed (ucxx._lib.libucxx does not import): the local path "
+            "falls back to TCP (pddnet.transport.wan). "
             "Install it with: pip install 'pddnet[ucx]'"
         )
 
@@ -71,13 +73,15 @@ def open_local_receiver(**kw: Any) -> Receiver:
 def open_local_sender(address: str, **kw: Any) -> Sender:
     """A sender to ``address``: UCX for a ``ucx:`` address, TCP otherwise.
 
-    ``secret=`` must match the receiver's (see :func:`open_local_receiver`).
+    The receiver chose the transport when it published its address, and said
+    why if it fell back; a TCP address is not a sign that ucxx is missing here,
+    so the sender logs nothing. ``secret=`` must match the receiver's (see
+    :func:`open_local_receiver`).
     """
     if address.startswith("ucx:"):
         from ._transport import UcxSender
 
         return UcxSender(address, **kw)
-    _warn_once()
     from ..wan import WanSender
 
     return WanSender(address, **_tcp_options(kw))
