@@ -69,15 +69,16 @@ class Weights:
     def random(cls, config: ModelConfig, seed: int = 0) -> Weights:
         """Deterministic weights drawn from ``seed`` (float32, NumPy).
 
-        Matrices are scaled by ``1/sqrt(fan_in)`` so activations stay O(1)
-        through the layers, and norm gains are ``1 + 0.1 N(0, 1)`` so that they
-        are not trivially one.
+        Matrices are scaled by ``config.init_gain / sqrt(fan_in)`` (1 keeps
+        activations O(1) through the layers; TINY takes 2, with which its
+        greedy streams do not fall into short cycles), and norm
+        gains are ``1 + 0.1 N(0, 1)`` so that they are not trivially one.
         """
         rng = np.random.default_rng(seed)
 
         def mat(fan_in: int, fan_out: int) -> Any:
             w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-            return w * np.float32(1.0 / np.sqrt(fan_in))
+            return w * np.float32(config.init_gain / np.sqrt(fan_in))
 
         def gain() -> Any:
             return 1.0 + 0.1 * rng.standard_normal(config.hidden, dtype=np.float32)
