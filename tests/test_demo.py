@@ -1,15 +1,134 @@
-"""A small ``pddnet demo`` in CI: real processes, real sockets, the emulated WAN as root."""
+"""``pddnet demo``: its checks (pure), and a small run in CI (real processes,
+real sockets, the emulated WAN as root)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from pddnet import demo
+from pddnet.demo._workload import make_sessions
 from pddnet.emu import unavailable_reason
+from pddnet.recompute import TINY
 
 
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args([*argv, "--png", ""])
+
+
+def _records(cfg: dict[str, Any], phases: tuple[str, ...] = ("pdd",)) -> list[dict[str, Any]]:
+    """The requests the demo's front end submits, as unfinished records."""
+    sessions = make_sessions(
+        cfg["seed"],
+        cfg["sessions"],
+        cfg["turns"],
+        vocab=TINY.vocab_size,
+        max_tokens=cfg["max_tokens"],
+    )
+    return [
+        {
+            "request_id": len(phases) * 1000 + i * 100 + req.session * cfg["turns"] + req.turn,
+            "phase": phase,
+            "session": req.session,
+            "turn": req.turn,
+            "prompt": list(req.prompt),
+            "max_tokens": req.max_tokens,
+            "tokens": [],
+            "outcome": None,
+        }
+        for i, phase in enumerate(phases)
+        for reqs in sessions
+        for req in reqs
+    ]
+
+
+# ------------------------------------------------------------- tail_period
+@pytest.mark.parametrize(
+    ("stream", "period"),
+    [
+        (list(range(40)), None),
+        ([9, 8, 7] + [1, 2] * 3, 2),
+        (list(range(20)) + list(range(100, 113)) + list(range(100, 108)), 13),  # 8 of 13 repeat
+        (list(range(20)) + [5] * 5, 1),
+        (list(range(20)) + [5] * 4, None),  # 3 repeats: shorter than min_run
+        (list(range(20)) + list(range(100, 117)) * 2, None),  # period 17 > 16
+        ([1, 2, 3, 1, 2, 3, 1], 3),
+        ([], None),
+    ],
+)
+def test_tail_period(stream: list[int], period: int | None) -> None:
+    assert demo.tail_period(stream) == period
+
+
+@pytest.mark.parametrize("argv", [("--quick",), ()], ids=["quick", "default"])
+def test_the_demo_reference_streams_do_not_cycle(argv: tuple[str, ...]) -> None:
+    # a stream that cycles would match its reference after a shift by one period
+    refs = demo.reference_streams(_records(demo._config(_args(*argv))))
+    cycles = {rid: demo.tail_period(s) for rid, s in refs.items() if demo.tail_period(s)}
+    assert cycles == {}
+    assert min(len(set(s)) for s in refs.values()) >= 20  # not a few tokens over and over
+
+
+# ------------------------------------------------------------- pass/fail
+def _phases(records: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        ph: {"requests": [r for r in records if r["phase"] == ph], "stats": {}}
+        for ph in ("pdd", "baseline")
+    }
+
+
+def _finish(rec: dict[str, Any], tokens: list[int]) -> None:
+    rec["outcome"] = "finished"
+    rec["tokens"] = [[0.01 * (i + 1), i, tok, "main"] for i, tok in enumerate(tokens)]
+
+
+CFG = {"seed": 3, "sessions": 2, "turns": 2, "max_tokens": 6}
+
+
+def test_only_a_run_where_every_request_finished_right_passes() -> None:
+    records = _records(CFG, ("pdd", "baseline"))
+    refs = demo.reference_streams(records)
+    for rec in records:
+        _finish(rec, refs[rec["request_id"]])
+    args = _args()
+    n = len(records)
+    assert demo.summarize(records, refs, {}, expected=n)["tokens_match_reference"] is True
+    assert demo.report(_phases(records), "test", args, expected=n, t0=0.0) == 0
+
+    # every request failed: nothing was compared, and nothing matched
+    for rec in records:
+        rec.update(outcome="error: TransportError: gone", tokens=[])
+    summary = demo.summarize(records, refs, {}, expected=n)
+    assert summary["tokens_match_reference"] is False
+    assert summary["failed_requests"] == n and summary["lost_requests"] == 0
+    assert demo.report(_phases(records), "test", args, expected=n, t0=0.0) == 1
+
+    # one failed, the rest right
+    for rec in records:
+        _finish(rec, refs[rec["request_id"]])
+    records[3].update(outcome="error: TransportError: gone")
+    assert demo.summarize(records, refs, {}, expected=n)["tokens_match_reference"] is False
+    assert demo.report(_phases(records), "test", args, expected=n, t0=0.0) == 1
+
+    # one lost (no outcome), one never recorded, one with a wrong token
+    records[3]["outcome"] = None
+    summary = demo.summarize(records, refs, {}, expected=n + 1)
+    assert summary["lost_requests"] == 2 and summary["tokens_match_reference"] is False
+    records[3]["outcome"] = "finished"
+    assert demo.summarize(records, refs, {}, expected=n)["tokens_match_reference"] is True
+    records[3]["tokens"][-1][2] += 1
+    assert demo.summarize(records, refs, {}, expected=n)["tokens_match_reference"] is False
+
+
+# ------------------------------------------------------------- end to end
 def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     proc = subprocess.run(
@@ -35,11 +154,36 @@ def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(out.read_text())["summary"]
+    data = json.loads(out.read_text())
+    summary = data["summary"]
     assert summary["tokens_match_reference"] is True
     assert summary["lost_requests"] == 0 and summary["failed_requests"] == 0
     assert summary["requests"] == 8
+    assert summary["periodic_streams"] == 0
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    # the demo chose TCP by its --local-path default, and says so; nothing claims ucxx is missing
+    assert "P->RLD local path: TCP (--local-path tcp)" in proc.stdout
+    assert "ucxx is not installed" not in proc.stdout + proc.stderr
+
+    # both phases ran the same workload from the same (empty) cache state
+    def workload(phase: str) -> dict[tuple[int, int], tuple[list[int], int, int]]:
+        return {
+            (r["session"], r["turn"]): (r["prompt"], r["max_tokens"], r["blocks"])
+            for r in data["records"]
+            if r["phase"] == phase
+        }
+
+    def hits(phase: str) -> dict[tuple[int, int], int]:
+        return {
+            (r["session"], r["turn"]): r["hit_blocks"]
+            for r in data["records"]
+            if r["phase"] == phase
+        }
+
+    assert workload("pdd") == workload("baseline") and len(workload("pdd")) == 4
+    assert hits("pdd")[0, 0] == hits("baseline")[0, 0] == 0  # nothing cached at the start
+    assert hits("pdd")[1, 0] == hits("baseline")[1, 0] == 0
+    assert hits("pdd") == hits("baseline")
     if unavailable_reason() is None:
         # on the shaped WAN, RLD really masks the low-hit requests' transfers
         assert summary["link"].startswith("emulated WAN")

@@ -3,12 +3,18 @@
 Three OS processes (``pddnet/demo/_roles.py``) run the engine-facing API
 with the reference model as the engine. As root, they live in the emulated
 ``pdd`` topology (P and RLD in DC-A, MD in DC-B behind a shaped WAN);
-otherwise they share loopback, and the demo says so. A stream of skewed
-multi-turn requests runs twice on the same link: routed by pddnet
-(P->RLD->MD for low-hit requests), then with every request on P->MD (the
-baseline). The demo prints a per-request timeline and a summary, writes a PNG
-timeline, and checks every request's tokens against single-instance greedy
-decoding of the same prompt.
+otherwise they share loopback, and the demo says so. The same stream of
+skewed multi-turn requests (one seed: the same prompts, lengths and hit
+structure) runs twice on the same link: routed by pddnet (P->RLD->MD for
+low-hit requests), then with every request on P->MD (the baseline). Each
+phase gets three fresh processes, so both start from the same state: MD's
+radix cache and P's mirror of it empty, no connections open. The demo prints
+a per-request timeline and a summary, writes a PNG timeline, and checks every
+request's tokens against single-instance greedy decoding of the same prompt;
+it exits 1 unless every request finished with the reference's tokens.
+The summary's ``periodic_streams`` counts reference streams that end in a
+short cycle (:func:`tail_period`), where a handoff that dropped or repeated a
+cycle's worth of tokens would still match; with TINY's weights it is 0.
 
 Scale: the tiny reference model's KV is 512 B per token, about 100x less than
 a 7B-class model's, so the default WAN runs at 25 Mbit/s to keep the ratio of
@@ -27,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +43,13 @@ from ..bench._common import percentiles, print_table, pyplot, write_report
 from ..emu import emulated_wan, parse_duration, parse_rate, unavailable_reason
 from ..recompute import TINY, ReferenceModel, greedy
 
-__all__ = ["add_arguments", "main", "reference_streams", "summarize"]
+__all__ = ["add_arguments", "main", "reference_streams", "report", "summarize", "tail_period"]
+
+#: ``tail_period``'s defaults: cycles of up to 16 tokens (half of a 32-token
+#: answer), repeating for at least 4 tokens (a run that random tokens make with
+#: probability ``16 * vocab**-4``).
+K_MAX_PERIOD = 16
+K_MIN_RUN = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +83,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(args: argparse.Namespace, out: str) -> dict[str, Any]:
+def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "blocks": 8192,
         "step_time_s": args.step_ms / 1000,
@@ -83,12 +95,12 @@ def _config(args: argparse.Namespace, out: str) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "seed": 7,
         "request_timeout_s": 60.0,
-        "out": out,
         "local_path": args.local_path,
     }
 
 
 _ROLES = ("prefill", "relay", "main")
+_PHASES = ("pdd", "baseline")
 
 
 def _spawn_roles(
@@ -116,35 +128,57 @@ def _spawn_roles(
     return procs
 
 
-def _run(args: argparse.Namespace, cfg: dict[str, Any], log: list[str]) -> str:
+def _run(
+    args: argparse.Namespace, cfg: dict[str, Any], tmp: Path, log: list[str]
+) -> tuple[str, dict[str, Any]]:
+    """Run each phase with three fresh role processes on one link.
+
+    Returns:
+        The link's description, and each phase's ``{"requests", "stats"}``.
+    """
     reason = "--loopback was given" if args.loopback else unavailable_reason()
+    out: dict[str, Any] = {}
+
+    def phase(
+        name: str,
+        addrs: dict[str, str],
+        ports: dict[str, int],
+        spawners: dict[str, Callable[..., subprocess.Popen[str]]],
+    ) -> None:
+        path = tmp / f"{name}.json"
+        procs = _spawn_roles({**cfg, "phase": name, "out": str(path)}, addrs, ports, spawners)
+        try:
+            _follow(procs, log)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        out[name] = json.loads(path.read_text())
+
     if reason is None:
         with emulated_wan(args.rtt, rate=args.rate, loss=args.loss, mtu=1500) as wan:
             hosts = {"prefill": wan.p, "relay": wan.rld, "main": wan.md}
-            # each role runs in its host's namespace; the testbed kills them on teardown
-            procs = _spawn_roles(
-                cfg,
-                {r: h.addr for r, h in hosts.items()},
-                dict(zip(_ROLES, (5550, 5551, 5552), strict=True)),
-                {r: h.spawn for r, h in hosts.items()},
-            )
-            _follow(procs, log)
-        return f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {args.rate}, loss {args.loss}"
+            addrs = {r: h.addr for r, h in hosts.items()}
+            for i, name in enumerate(_PHASES):
+                # each role runs in its host's namespace; new ports for each phase
+                ports = {r: 5550 + 3 * i + j for j, r in enumerate(_ROLES)}
+                phase(name, addrs, ports, {r: h.spawn for r, h in hosts.items()})
+        return (
+            f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {args.rate}, loss {args.loss}",
+            out,
+        )
     print(
         f"pddnet demo: no emulated WAN here ({reason}); running on loopback, where the WAN"
         " is not shaped and RLD has nothing to mask."
     )
-    addrs = dict.fromkeys(_ROLES, "127.0.0.1")
-    procs = _spawn_roles(
-        cfg, addrs, {r: _free_port() for r in _ROLES}, dict.fromkeys(_ROLES, subprocess.Popen)
-    )
-    try:
-        _follow(procs, log)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-    return "loopback (no WAN emulation)"
+    for name in _PHASES:
+        phase(
+            name,
+            dict.fromkeys(_ROLES, "127.0.0.1"),
+            {r: _free_port() for r in _ROLES},
+            dict.fromkeys(_ROLES, subprocess.Popen),
+        )
+    return "loopback (no WAN emulation)", out
 
 
 def _follow(procs: list[subprocess.Popen[str]], log: list[str], timeout: float = 600) -> None:
@@ -199,6 +233,23 @@ def reference_streams(records: list[dict[str, Any]]) -> dict[int, list[int]]:
     return out
 
 
+def tail_period(
+    stream: Sequence[int], max_period: int = K_MAX_PERIOD, min_run: int = K_MIN_RUN
+) -> int | None:
+    """The shortest cycle ``stream`` ends in, or None.
+
+    That is the smallest ``p <= max_period`` such that each of the last
+    ``min_run`` tokens equals the token ``p`` before it. A stream that ends in
+    a cycle still matches its reference if a handoff inside the cycle drops or
+    repeats ``p`` tokens, so it proves less about the handoff.
+    """
+    s = list(stream)
+    for p in range(1, max_period + 1):
+        if len(s) >= p + min_run and s[-min_run:] == s[-min_run - p : -p]:
+            return p
+    return None
+
+
 def _request_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for rec in records:
@@ -222,11 +273,27 @@ def _request_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarize(
-    records: list[dict[str, Any]], refs: dict[int, list[int]], stats: dict[str, Any]
+    records: list[dict[str, Any]],
+    refs: dict[int, list[int]],
+    stats: dict[str, Any],
+    *,
+    expected: int,
 ) -> dict[str, Any]:
-    """The demo's summary from the front end's records and the reference streams."""
+    """The demo's summary from the front end's records and the reference streams.
+
+    Args:
+        records: both phases' request records (P's front end).
+        refs: each request's reference stream (:func:`reference_streams`).
+        stats: each phase's ``{"p", "relay", "main"}`` statistics.
+        expected: requests submitted over both phases; any without a record
+            counts as lost.
+
+    Returns:
+        The summary. ``tokens_match_reference`` is true only if every expected
+        request finished with its reference's tokens, in order.
+    """
     rows = _request_rows(records)
-    by_phase = {ph: [r for r in rows if r["phase"] == ph] for ph in ("pdd", "baseline")}
+    by_phase = {ph: [r for r in rows if r["phase"] == ph] for ph in _PHASES}
 
     def ttft(phase: str, low: bool | None) -> float:
         sel = [
@@ -236,36 +303,47 @@ def summarize(
         ]
         return float(np.median(sel)) if sel else float("nan")
 
-    match = all(
-        [t[2] for t in sorted(rec["tokens"], key=lambda t: t[1])] == refs[rec["request_id"]]
-        for rec in records
-        if rec["outcome"] == "finished"
-    )
+    def tokens(rec: dict[str, Any]) -> list[int]:
+        return [t[2] for t in sorted(rec["tokens"], key=lambda t: t[1])]
+
     positions_ok = all(
         sorted(t[1] for t in rec["tokens"]) == list(range(len(rec["tokens"]))) for rec in records
+    )
+    match = (
+        len(records) == expected
+        and positions_ok
+        and all(
+            rec["outcome"] == "finished" and tokens(rec) == refs[rec["request_id"]]
+            for rec in records
+        )
     )
     pdd = by_phase["pdd"]
     rld_tokens = sum(r["rld_tok"] for r in pdd)
     all_tokens = sum(r["rld_tok"] + r["md_tok"] for r in pdd)
-    p_stats = stats.get("p", {}).get("statistics", {})
-    relay_reqs = stats.get("relay", {}).get("requests", [])
+
+    def p_stat(phase: str, name: str) -> int:
+        return int(stats.get(phase, {}).get("p", {}).get("statistics", {}).get(name, 0))
+
+    relay_reqs = stats.get("pdd", {}).get("relay", {}).get("requests", [])
     rounds = [r.get("rounds", 0) for r in relay_reqs]
     low_pdd, low_base = ttft("pdd", True), ttft("baseline", True)
+    wan, saved = p_stat("pdd", "wan_bytes"), p_stat("pdd", "wan_bytes_saved")
     return {
         "requests": len(records),
-        "tokens_match_reference": bool(match and positions_ok),
-        "lost_requests": sum(1 for r in rows if r["outcome"] == "lost"),
+        "tokens_match_reference": bool(match),
+        "lost_requests": expected - len(records) + sum(1 for r in rows if r["outcome"] == "lost"),
         "failed_requests": sum(1 for r in rows if r["outcome"].startswith("error")),
+        "periodic_streams": sum(1 for ref in refs.values() if tail_period(ref) is not None),
         "ttft_p50_ms_low_hit_pdd": low_pdd,
         "ttft_p50_ms_low_hit_baseline": low_base,
         "ttft_p50_reduction_low_hit": 1 - low_pdd / low_base if low_base else float("nan"),
         "ttft_p50_ms_all_pdd": ttft("pdd", None),
         "ttft_p50_ms_all_baseline": ttft("baseline", None),
         "rld_token_share": rld_tokens / all_tokens if all_tokens else 0.0,
-        "wan_bytes": p_stats.get("wan_bytes", 0),
-        "wan_bytes_saved_by_drc": p_stats.get("wan_bytes_saved", 0),
-        "wan_saved_fraction": p_stats.get("wan_bytes_saved", 0)
-        / max(p_stats.get("wan_bytes", 0) + p_stats.get("wan_bytes_saved", 0), 1),
+        "wan_bytes": wan,
+        "wan_bytes_saved_by_drc": saved,
+        "wan_saved_fraction": saved / max(wan + saved, 1),
+        "wan_bytes_baseline": p_stat("baseline", "wan_bytes"),
         "handoff_rounds_total": int(sum(rounds)),
         "handoff_rounds_max": int(max(rounds, default=0)),
         "max_stall_ms": max((r["max_gap_ms"] for r in pdd), default=0.0),
@@ -277,7 +355,7 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharex=True)
     colors = {"relay": "tab:orange", "main": "tab:blue"}
-    for ax, phase in zip(axes, ("pdd", "baseline"), strict=True):
+    for ax, phase in zip(axes, _PHASES, strict=True):
         recs = [r for r in records if r["phase"] == phase]
         for i, rec in enumerate(recs):
             for src in ("relay", "main"):
@@ -299,21 +377,40 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    cfg = _config(args)
+    print(
+        f"pddnet demo: {cfg['sessions']} sessions x {cfg['turns']} turns per phase, "
+        f"{cfg['max_tokens']} tokens each, decode paced to {args.step_ms:g} ms/step; "
+        f"P->RLD local path: {args.local_path.upper()} (--local-path {args.local_path})"
+    )
+    log: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "records.json")
-        cfg = _config(args, out)
-        print(
-            f"pddnet demo: {cfg['sessions']} sessions x {cfg['turns']} turns per phase, "
-            f"{cfg['max_tokens']} tokens each, decode paced to {args.step_ms:g} ms/step"
-        )
-        log: list[str] = []
-        link = _run(args, cfg, log)
-        data = json.loads(Path(out).read_text())
-    records, stats = data["requests"], data["stats"]
+        link, phases = _run(args, cfg, Path(tmp), log)
+    return report(phases, link, args, expected=2 * cfg["sessions"] * cfg["turns"], t0=t0)
+
+
+def report(
+    phases: dict[str, Any], link: str, args: argparse.Namespace, *, expected: int, t0: float
+) -> int:
+    """Check, print and write the phases' results (``args.png``, ``args.json``).
+
+    Args:
+        phases: each phase's ``{"requests", "stats"}`` as P's front end wrote them.
+        link: the link's description.
+        args: the demo's command line.
+        expected: requests submitted over both phases.
+        t0: ``time.monotonic()`` when the demo started.
+
+    Returns:
+        The exit status: 0 only if every expected request finished with its
+        reference tokens (``tokens_match_reference``), else 1.
+    """
+    records = [rec for ph in _PHASES for rec in phases[ph]["requests"]]
+    stats = {ph: phases[ph]["stats"] for ph in _PHASES}
     print("checking every stream against single-instance greedy decoding ...")
     refs = reference_streams(records)
     print_table(_request_rows(records), title=f"\nper-request timeline ({link})")
-    summary = summarize(records, refs, stats)
+    summary = summarize(records, refs, stats, expected=expected)
     summary["link"] = link
     summary["elapsed_s"] = time.monotonic() - t0
     print()
@@ -328,5 +425,11 @@ def main(args: argparse.Namespace) -> int:
         stats=stats,
         ttft_ms=percentiles([r["ttft_ms"] for r in _request_rows(records)]),
     )
-    ok = summary["tokens_match_reference"] and summary["lost_requests"] == 0
-    return 0 if ok else 1
+    if not summary["tokens_match_reference"]:
+        print(
+            f"pddnet demo: FAILED: {summary['failed_requests']} failed and"
+            f" {summary['lost_requests']} lost of {expected} requests, or tokens differ"
+            " from the reference"
+        )
+        return 1
+    return 0

@@ -5,6 +5,12 @@ the reference model, submits it, and reads the user's token stream through P's t
 delivery times and the decoder that produced each token. RLD and MD register with P's
 rendezvous, look each other up, and serve. The shared secret comes from
 ``$PDDNET_SECRET``.
+
+The three processes run one phase (``cfg["phase"]``: ``pdd`` or ``baseline``)
+of the workload ``make_sessions(cfg["seed"], ...)``; the demo starts three
+fresh processes for each phase, so both phases see the same prompts and start
+from the same state: empty caches (MD's radix cache, P's mirror of it) and new
+connections.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     cls = RelayEndpoint if role == "relay" else MainEndpoint
     other = "main" if role == "relay" else "relay"
     params = HandoffParams(rtt_s=cfg["rtt_s"], recompute_rate=20000.0)
-    # The relay's local path: UCX (ucxx) or TCP. UCX between the testbed's
-    # network namespaces did not connect here, so the demo defaults to TCP.
+    # The relay's local path: UCX (ucxx) or TCP, as the demo's --local-path
+    # says (the demo prints its choice; RelayEndpoint warns only for its own).
     receiver = None
-    if role == "relay" and cfg.get("local_path", "tcp") == "tcp":
+    if role == "relay" and cfg["local_path"] == "tcp":
         receiver = WanReceiver(host=cfg["data_host"], secret=load_secret())
     # Multi-turn sessions: when RLD finishes first, the prompt's KV still goes
     # to MD's cache, because the session's next turn starts with it.
@@ -108,23 +114,20 @@ async def prefill(cfg: dict[str, Any]) -> None:
                     front.released.setdefault(ev.request_id, trio.Event()).set()
 
             nursery.start_soon(releases)
-            results = []
-            for phase, seed, route in (
-                ("pdd", cfg["seed"], None),
-                ("baseline", cfg["seed"] + 1, Route.P_MD),
-            ):
-                sessions = make_sessions(
-                    seed,
-                    cfg["sessions"],
-                    cfg["turns"],
-                    vocab=TINY.vocab_size,
-                    max_tokens=cfg["max_tokens"],
-                )
-                t_phase = time.monotonic()
-                async with trio.open_nursery() as phase_nursery:
-                    for reqs in sessions:
-                        phase_nursery.start_soon(_session, p, model, front, phase, reqs, route, cfg)
-                print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
+            phase = cfg["phase"]
+            route = Route.P_MD if phase == "baseline" else None
+            sessions = make_sessions(
+                cfg["seed"],
+                cfg["sessions"],
+                cfg["turns"],
+                vocab=TINY.vocab_size,
+                max_tokens=cfg["max_tokens"],
+            )
+            t_phase = time.monotonic()
+            async with trio.open_nursery() as phase_nursery:
+                for reqs in sessions:
+                    phase_nursery.start_soon(_session, p, model, front, phase, reqs, route, cfg)
+            print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
             stats = {}
             for peer in ("relay", "main"):
                 reply = await p.node.request(peer, StatsRequest(), timeout=10)

@@ -18,14 +18,12 @@ __all__ = ["DemoRequest", "make_sessions"]
 
 @dataclass(frozen=True, slots=True)
 class DemoRequest:
+    """One request: ``turn`` 0 of a session is its low-hit request."""
+
     session: int
     turn: int
     prompt: tuple[int, ...]
     max_tokens: int
-
-    @property
-    def low_hit(self) -> bool:
-        return self.turn == 0
 
 
 def make_sessions(
