@@ -181,9 +181,9 @@ def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
         }
 
     assert workload("pdd") == workload("baseline") and len(workload("pdd")) == 4
-    assert hits("pdd")[0, 0] == hits("baseline")[0, 0] == 0  # nothing cached at the start
-    assert hits("pdd")[1, 0] == hits("baseline")[1, 0] == 0
-    assert hits("pdd") == hits("baseline")
+    # each phase starts with nothing cached (later hits may differ: when RLD
+    # finishes first, MD caches the prompt only once its KV lands)
+    assert [hits(ph)[s, 0] for ph in ("pdd", "baseline") for s in (0, 1)] == [0, 0, 0, 0]
     if unavailable_reason() is None:
         # on the shaped WAN, RLD really masks the low-hit requests' transfers
         assert summary["link"].startswith("emulated WAN")
