@@ -57,7 +57,12 @@ def cpu_engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
 
 
 def run_greedy(
-    engine: Any, prompts: Mapping[str, Sequence[int]], max_tokens: int, *, max_steps: int = 10_000
+    engine: Any,
+    prompts: Mapping[str, Sequence[int]],
+    max_tokens: int,
+    *,
+    kv_transfer_params: Mapping[str, Mapping[str, Any]] | None = None,
+    max_steps: int = 10_000,
 ) -> dict[str, list[list[int]]]:
     """Drive ``engine`` (a ``vllm.LLMEngine``) step by step, greedily, until all finish.
 
@@ -65,6 +70,8 @@ def run_greedy(
         engine: the engine; no other request may be in flight.
         prompts: request id -> prompt token ids.
         max_tokens: tokens to generate per request (EOS is ignored).
+        kv_transfer_params: request id -> the ``kv_transfer_params`` its KV
+            connector reads (``request.kv_transfer_params`` on the scheduler side).
         max_steps: bound on ``engine.step()`` calls.
 
     Returns:
@@ -76,11 +83,16 @@ def run_greedy(
     """
     vllm = require("vllm")
     kind = require("vllm.sampling_params").RequestOutputKind.DELTA
-    params = vllm.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind
-    )
+    kv = kv_transfer_params or {}
     steps: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
     for rid, prompt in prompts.items():
+        params = vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            output_kind=kind,
+            extra_args={"kv_transfer_params": dict(kv[rid])} if rid in kv else None,
+        )
         engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():

@@ -1,0 +1,173 @@
+"""A first, minimal vLLM 0.32 KV connector: prompt KV copied between instances through files.
+
+This is the first step of pddnet's vLLM connector, not the connector itself. It
+proves the parts of vLLM's ``KVConnectorBase_V1`` contract that the real one
+relies on (docs/vllm.md): which hooks run when, where the block ids of a
+request come from on each side, and that KV bytes written into another
+instance's paged cache in ``start_load_kv`` are what its attention reads. The
+transport is a directory; pddnet's local and WAN paths replace it later.
+
+Roles, from ``KVTransferConfig.kv_role``:
+
+* ``kv_producer`` (P): after the forward pass that completes a request's prompt,
+  ``wait_for_save`` writes the prompt's whole blocks, every layer, to
+  ``<dir>/<key>.npy`` (an array ``[layers, blocks, *block_shape]``).
+* ``kv_consumer`` (RLD / MD): a request whose ``kv_transfer_params`` carry
+  ``pddnet_key`` and ``pddnet_tokens`` reports that many tokens as externally
+  computed (at most all but the last token of its prompt, which vLLM must
+  compute to sample from), and ``start_load_kv`` copies the file's blocks into
+  the blocks vLLM allocated for them, before the forward pass (a synchronous
+  load). MD passes prompt + eager tokens as the prompt and only the prompt's
+  KV: vLLM computes the rest, which is MD's recompute.
+
+Requests name their KV with ``SamplingParams(extra_args={"kv_transfer_params":
+{"pddnet_key": ..., "pddnet_tokens": ...}})``; vLLM's own request ids get a
+random suffix, so they cannot be the key.
+
+vLLM creates one scheduler-side and one worker-side instance of this class; the
+worker-side one is a process-wide singleton (``kv_transfer_state``), so each
+engine that uses a connector needs an OS process of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..._errors import LocalProtocolError
+from ..._optional import require
+
+__all__ = ["FileCopyConnector"]
+
+# Bound to Any on purpose: vLLM is an optional extra, and typing this module
+# against it would make mypy need vLLM wherever pddnet is checked.
+_v1: Any = require("vllm.distributed.kv_transfer.kv_connector.v1.base")
+_torch: Any = require("torch")
+
+
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    key: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Meta(_v1.KVConnectorMetadata):
+    saves: list[_Transfer] = field(default_factory=list)
+    loads: list[_Transfer] = field(default_factory=list)
+
+
+def _params(request: Any) -> tuple[str, int] | None:
+    params = request.kv_transfer_params or {}
+    if "pddnet_key" not in params:
+        return None
+    return str(params["pddnet_key"]), int(params.get("pddnet_tokens", 0))
+
+
+class FileCopyConnector(_v1.KVConnectorBase_V1):
+    """Copies a request's prompt KV blocks through a directory (prototype).
+
+    Configure with ``KVTransferConfig(kv_connector="FileCopyConnector",
+    kv_connector_module_path="pddnet.integrations.vllm._copy_connector",
+    kv_role="kv_producer" | "kv_consumer", kv_connector_extra_config={"dir": ...})``.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = vllm_config.kv_transfer_config
+        self._dir = Path(cfg.kv_connector_extra_config["dir"])
+        self._producer = bool(cfg.is_kv_producer)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        # scheduler side
+        self._to_save: dict[str, str] = {}  # vLLM request id -> key
+        self._to_load: list[_Transfer] = []
+        # worker side
+        self._layers: list[Any] = []
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """The prompt tokens whose KV the file holds, beyond ``num_computed_tokens``."""
+        found = _params(request)
+        if self._producer or found is None:
+            return 0, False
+        # A synchronous load must leave at least one token for vLLM to compute.
+        usable = min(found[1], request.num_tokens - 1)
+        return max(usable - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Note the blocks a load fills (consumer) or a request to save (producer)."""
+        found = _params(request)
+        if found is None:
+            return
+        if self._producer:
+            self._to_save[request.request_id] = found[0]
+        elif num_external_tokens > 0:
+            ids = blocks.get_block_ids()[0][: math.ceil(num_external_tokens / self._block_size)]
+            self._to_load.append(_Transfer(found[0], tuple(int(b) for b in ids)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """This step's loads, and the saves of prompts that this step completes."""
+        meta = _Meta(loads=self._to_load)
+        self._to_load = []
+        for req in scheduler_output.scheduled_new_reqs:
+            key = self._to_save.pop(req.req_id, None)
+            if key is None:
+                continue
+            scheduled = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
+            if scheduled < len(req.prompt_token_ids):
+                raise LocalProtocolError(
+                    "FileCopyConnector needs the whole prompt in one step (chunked prefill)",
+                    request_id=req.req_id,
+                )
+            blocks = math.ceil(len(req.prompt_token_ids) / self._block_size)
+            meta.saves.append(_Transfer(key, tuple(req.block_ids[0][:blocks])))
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """Saves are synchronous, so the blocks may be freed at once."""
+        self._to_save.pop(request.request_id, None)
+        return False, None
+
+    # --------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Keep the per-layer cache tensors, in layer order."""
+        self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Copy each pending load's blocks from its file into the paged cache."""
+        meta = self._get_connector_metadata()
+        for t in meta.loads:
+            data = np.load(self._dir / f"{t.key}.npy")
+            ids = _torch.tensor(t.block_ids, dtype=_torch.long)
+            for layer, saved in zip(self._layers, data, strict=True):
+                layer[ids] = _torch.from_numpy(saved[: len(t.block_ids)])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in :meth:`start_load_kv`; nothing to wait for."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Saves happen once per step, in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Write the blocks of every prompt completed in this step's forward pass."""
+        meta = self._get_connector_metadata()
+        for t in meta.saves:
+            ids = _torch.tensor(t.block_ids, dtype=_torch.long)
+            data = np.stack([layer[ids].numpy() for layer in self._layers])
+            np.save(self._dir / f"{t.key}.npy", data)
+
+
+def _layer_index(name: str) -> int:
+    # vLLM names attention layers "model.layers.<i>.self_attn.attn".
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    raise LocalProtocolError(f"no layer index in KV cache name {name!r}")

@@ -1,0 +1,130 @@
+"""Prompt KV copied from one vLLM instance into another gives the same greedy tokens.
+
+The first step of pddnet's vLLM connector (``FileCopyConnector``): instance A
+(``kv_producer``, the role of P) prefills and decodes alone, and saves its
+prompt's KV blocks; instance B (``kv_consumer``) is given that KV for:
+
+* the prompt (RLD's case): B's stream must equal A's;
+* the prompt plus A's first 12 tokens (MD's case: B computes those 12 itself,
+  which is MD's recompute): B must continue with A's token 13 onwards;
+* the same prompt with the KV zeroed: B's stream must differ, which shows B's
+  attention reads the copied blocks rather than recomputing the prompt.
+
+vLLM keeps its worker-side connector in a process-wide global, so each engine
+runs in an OS process of its own: this file re-runs itself as the child.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+K_NEW = 48  # tokens A generates
+K_EAGER = 12  # tokens MD is given beyond the prompt
+K_PROMPT_LENS = (40, 75)  # one ends inside a block, one covers two full blocks and more
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [[int(t) for t in rng.integers(2, 512, size=n)] for n in K_PROMPT_LENS]
+
+
+def _child(spec_path: str) -> None:
+    """Run one engine: ``spec`` names the role, the KV directory and the requests."""
+    spec = json.loads(Path(spec_path).read_text())
+    from pddnet.integrations.vllm import apply_cpu_env, cpu_engine_kwargs, run_greedy
+
+    apply_cpu_env()
+    import vllm
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(
+        kv_connector="FileCopyConnector",
+        kv_connector_module_path="pddnet.integrations.vllm._copy_connector",
+        kv_role=spec["role"],
+        kv_connector_extra_config={"dir": spec["dir"]},
+    )
+    args = cpu_engine_kwargs(spec["model"], kv_transfer_config=kv, enable_prefix_caching=False)
+    engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+    steps = run_greedy(engine, spec["prompts"], K_NEW, kv_transfer_params=spec["kv"])
+    out = {rid: [t for s in per_step for t in s] for rid, per_step in steps.items()}
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, list[int]]:
+    spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, list[int]] = json.loads(out_path.read_text())
+    return result
+
+
+@pytest.mark.slow  # two engine processes: about 45 s on 2 cores
+def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
+    from pddnet.integrations.vllm import build_tiny_llama, tail_period
+
+    model = str(build_tiny_llama(tmp_path / "model"))
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    prompts = {f"p{i}": p for i, p in enumerate(_prompts())}
+    a = _run(
+        tmp_path,
+        "a",
+        {
+            "role": "kv_producer",
+            "dir": str(kv_dir),
+            "model": model,
+            "prompts": prompts,
+            "kv": {rid: {"pddnet_key": rid} for rid in prompts},
+        },
+    )
+    b_prompts: dict[str, list[int]] = {}
+    b_kv: dict[str, dict[str, Any]] = {}
+    for rid, p in prompts.items():
+        assert len(a[rid]) == K_NEW and tail_period(a[rid]) is None
+        saved = np.load(kv_dir / f"{rid}.npy")
+        assert saved.shape[:2] == (2, -(-len(p) // 32))  # layers, blocks
+        assert np.abs(saved).max() > 0
+        np.save(kv_dir / f"zero-{rid}.npy", np.zeros_like(saved))
+        b_prompts |= {f"rld-{rid}": p, f"md-{rid}": p + a[rid][:K_EAGER], f"zero-{rid}": p}
+        b_kv |= {
+            f"rld-{rid}": _kv(rid, len(p)),
+            f"md-{rid}": _kv(rid, len(p)),  # only the prompt's KV: B computes the eager tokens
+            f"zero-{rid}": _kv(f"zero-{rid}", len(p)),
+        }
+    b = _run(
+        tmp_path,
+        "b",
+        {
+            "role": "kv_consumer",
+            "dir": str(kv_dir),
+            "model": model,
+            "prompts": b_prompts,
+            "kv": b_kv,
+        },
+    )
+    for rid in prompts:
+        assert b[f"rld-{rid}"] == a[rid]
+        assert b[f"md-{rid}"][: K_NEW - K_EAGER] == a[rid][K_EAGER:]
+        assert b[f"zero-{rid}"] != a[rid]
+
+
+def _kv(key: str, tokens: int) -> dict[str, Any]:
+    return {"pddnet_key": key, "pddnet_tokens": tokens}
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
