@@ -122,3 +122,28 @@ def test_vllm_loads_the_tiny_tokenizer(llm: Any) -> None:
     assert tok.decode(ids) == text
     assert 0 < len(ids) < len(text)  # merges were learned
     assert max(len(tok), max(ids) + 1) <= 512
+
+
+def test_abort_mid_stream_stops_one_request_only(llm: Any, streams: list[list[int]]) -> None:
+    # RLD's engine stops a request when MD takes over; the batch goes on.
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=K_NEW, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    prompts = _prompts()
+    got: dict[str, list[int]] = {"stay": [], "stop": []}
+    engine.add_request("stay", {"prompt_token_ids": prompts[1]}, params)
+    engine.add_request("stop", {"prompt_token_ids": prompts[2]}, params)
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        if len(got["stop"]) == 10:
+            engine.abort_request(["stop"])
+        for out in engine.step():
+            got[out.request_id] += list(out.outputs[0].token_ids)
+    assert got["stop"] == streams[2][:10]
+    assert got["stay"] == streams[1]
+    assert engine.get_num_unfinished_requests() == 0
