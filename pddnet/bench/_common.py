@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ __all__ = [
     "add_common_arguments",
     "percentiles",
     "print_table",
+    "run_install",
     "write_report",
     "pyplot",
 ]
@@ -46,6 +48,28 @@ def percentiles(samples: Sequence[float]) -> dict[str, float]:
         "min": float(a.min()),
         "std": float(a.std()),
     }
+
+
+def run_install(cmds: Sequence[Sequence[str]], errors: dict[str, str]) -> bool:
+    """Run the commands that install a missing peer (``--install-peers``), in order.
+
+    A command that fails or cannot start leaves its stderr tail in ``errors``
+    under its last argument (the package, say); the rest still run.
+
+    Returns:
+        Whether every command succeeded.
+    """
+    ok = True
+    for cmd in cmds:
+        try:
+            r = subprocess.run(list(cmd), capture_output=True, text=True)
+            failed, why = r.returncode != 0, r.stderr[-1000:]
+        except OSError as exc:
+            failed, why = True, f"{cmd[0]}: {exc}"
+        if failed:
+            errors[cmd[-1]] = why
+            ok = False
+    return ok
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str = "", file: Any = None) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import socket
+import struct
 import sys
 import threading
 import time
@@ -25,16 +26,22 @@ import numpy as np
 K_GRANT_PORT_OFFSET = 1  # the pdd receiver's grant service listens on PORT + 1
 K_SMALL = 256 << 10
 K_CPU_QUERY = (1 << 64) - 1
+# the plain-TCP receiver's ack: its SO_RCVBUF when the stream began and when it ended
+_ACK = struct.Struct("<QQ")
+# tcp_info's tcpi_busy_time, tcpi_rwnd_limited, tcpi_sndbuf_limited (u64 µs) at offset 168
+_CHRONO = struct.Struct("<QQQ")
 
 
-def raw_rx_cpu(host: str, port: int) -> float:
-    """CPU seconds the plain-TCP receiver process has used so far."""
+def raw_rx_cpu(host: str, port: int) -> tuple[float, float]:
+    """CPU seconds the plain-TCP receiver process has used so far, and seconds it
+    waited for a CPU (:func:`run_delay`)."""
     with socket.create_connection((host, port)) as s:
         s.sendall(K_CPU_QUERY.to_bytes(8, "little") + bytes(8))
         data = b""
         while chunk := s.recv(4096):
             data += chunk
-    return float(json.loads(data)["cpu"])
+    rep = json.loads(data)
+    return float(rep["cpu"]), float(rep["wait"])
 
 
 def _cpu() -> float:
@@ -44,11 +51,52 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def run_delay(pid: int | str = "self") -> float:
+    """Seconds the threads of process ``pid`` have waited for a CPU while runnable
+    (``/proc/PID/task/*/schedstat``); what is unreadable counts 0."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/task/{task}/schedstat") as f,
+            ):
+                total += int(f.read().split()[1])
+    return total / 1e9
+
+
 def _retrans(sock: socket.socket) -> int:
     from ..transport.wan._sockopts import read_tcp_info
 
     s = read_tcp_info(sock, 0)
     return s.bytes_retrans if s else 0
+
+
+def tcp_time(sock: Any) -> tuple[float, float, float] | None:
+    """Seconds a socket has been busy sending, and of those limited by the peer's
+    receive window and by its own send buffer (``TCP_INFO`` chrono counters,
+    Linux 4.10+), or None. Time not busy is time the application gave it nothing."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _CHRONO.size + 168)
+    except OSError:
+        return None
+    if len(raw) < _CHRONO.size + 168:
+        return None
+    busy, rwnd, sndbuf = _CHRONO.unpack_from(raw, 168)
+    return busy / 1e6, rwnd / 1e6, sndbuf / 1e6
+
+
+def _tcp_time_spent(socks: list[Any], before: list[Any]) -> dict[str, float]:
+    """Totals of :func:`tcp_time` since ``before`` over the sockets still the same."""
+    out = {"streams": 0.0, "busy_s": 0.0, "rwnd_limited_s": 0.0, "sndbuf_limited_s": 0.0}
+    for sock, (sock0, t0) in zip(socks, before, strict=True):
+        t1 = tcp_time(sock) if sock is not None and sock is sock0 else None
+        if t0 is None or t1 is None:
+            continue
+        out["streams"] += 1
+        for key, a, b in zip(("busy_s", "rwnd_limited_s", "sndbuf_limited_s"), t0, t1, strict=True):
+            out[key] += b - a
+    return out
 
 
 def _source(nbytes: int) -> np.ndarray:
@@ -61,7 +109,8 @@ def _source(nbytes: int) -> np.ndarray:
 
 
 def raw_rx(port: int, max_bytes: int) -> None:
-    """Accept connections forever; each drains into its own pre-touched region, then acks."""
+    """Accept connections forever; each drains into its own pre-touched region, then acks
+    with its receive buffer's size at the start and at the end (``_ACK``)."""
     lsock = socket.socket()
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("0.0.0.0", port))
@@ -71,7 +120,9 @@ def raw_rx(port: int, max_bytes: int) -> None:
 
     def serve(conn: socket.socket) -> None:
         with conn:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+            # A user's plain socket: no SO_RCVBUF, so the kernel autotunes the
+            # window up to net.ipv4.tcp_rmem's maximum (setting it turns that off).
+            rcvbuf0 = conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
             head = b""
             while len(head) < 16:  # 8 bytes slot offset + 8 bytes length
                 part = conn.recv(16 - len(head))
@@ -80,7 +131,7 @@ def raw_rx(port: int, max_bytes: int) -> None:
                 head += part
             off, n = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
             if off == K_CPU_QUERY:
-                conn.sendall(json.dumps({"cpu": _cpu()}).encode())
+                conn.sendall(json.dumps({"cpu": _cpu(), "wait": run_delay()}).encode())
                 return
             mv = memoryview(dst.data)[off : off + n]
             got = 0
@@ -89,7 +140,8 @@ def raw_rx(port: int, max_bytes: int) -> None:
                 if not k:
                     break
                 got += k
-            conn.sendall(b"k")
+            rcvbuf1 = conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            conn.sendall(_ACK.pack(rcvbuf0, rcvbuf1))
 
     while True:
         conn, _ = lsock.accept()
@@ -97,25 +149,45 @@ def raw_rx(port: int, max_bytes: int) -> None:
 
 
 def raw_send(host: str, port: int, nbytes: int, streams: int, congestion: str) -> dict[str, Any]:
-    """Send ``nbytes`` split over ``streams`` plain TCP connections; time until all acked."""
+    """Send ``nbytes`` split over ``streams`` plain TCP connections; time until all acked.
+
+    The sockets are what a user's plain socket gets: only the congestion control
+    is chosen (the same one as every other sender's); the buffers are left to the
+    kernel's autotuning. The result's ``sndbuf`` / ``rcvbuf`` hold each stream's
+    buffer sizes (bytes) at the start and at the end of its transfer.
+    """
     src = _source(nbytes)
     share = -(-nbytes // streams)
     socks = []
     for _ in range(streams):
         s = socket.create_connection((host, port))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 20)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
         socks.append(s)
+    sndbuf = [[s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), 0] for s in socks]
+    rcvbuf = [[0, 0] for _ in socks]
     retrans0 = sum(_retrans(s) for s in socks)
-    rx_cpu0 = raw_rx_cpu(host, port)
-    cpu0, t0 = _cpu(), time.monotonic()
+    tcp0 = [(s, tcp_time(s)) for s in socks]
+    rx_cpu0, rx_wait0 = raw_rx_cpu(host, port)
+    cpu0, wait0, t0 = _cpu(), run_delay(), time.monotonic()
+
+    failed: list[BaseException] = []
 
     def one(i: int) -> None:
         lo, hi = i * share, min((i + 1) * share, nbytes)
         s = socks[i]
-        s.sendall(lo.to_bytes(8, "little") + (hi - lo).to_bytes(8, "little"))
-        s.sendall(memoryview(src.data)[lo:hi])
-        s.recv(1)
+        try:
+            s.sendall(lo.to_bytes(8, "little") + (hi - lo).to_bytes(8, "little"))
+            s.sendall(memoryview(src.data)[lo:hi])
+            sndbuf[i][1] = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            ack = b""
+            while len(ack) < _ACK.size:
+                part = s.recv(_ACK.size - len(ack))
+                if not part:
+                    raise ConnectionError(f"plain-TCP receiver closed stream {i} before its ack")
+                ack += part
+            rcvbuf[i] = list(_ACK.unpack(ack))
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            failed.append(exc)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     for t in threads:
@@ -123,16 +195,24 @@ def raw_send(host: str, port: int, nbytes: int, streams: int, congestion: str) -
     for t in threads:
         t.join()
     seconds = time.monotonic() - t0
+    if failed:
+        raise failed[0]
     retrans = sum(_retrans(s) for s in socks) - retrans0
+    tcp = _tcp_time_spent(socks, tcp0)
     for s in socks:
         s.close()
-    cpu_tx = _cpu() - cpu0
+    cpu_tx, wait_tx = _cpu() - cpu0, run_delay() - wait0
+    rx_cpu1, rx_wait1 = raw_rx_cpu(host, port)
     return {
         "bytes": nbytes,
         "seconds": seconds,
         "cpu_tx": cpu_tx,
-        "cpu_rx": raw_rx_cpu(host, port) - rx_cpu0,
+        "cpu_rx": rx_cpu1 - rx_cpu0,
+        "cpu_wait": {"sender": wait_tx, "receiver": rx_wait1 - rx_wait0},
         "retrans": retrans,
+        "sndbuf": sndbuf,
+        "rcvbuf": rcvbuf,
+        "tcp_time": tcp,
     }
 
 
@@ -183,7 +263,7 @@ def pdd_rx(port: int, max_chunk: int = 16 << 20, tls_dir: str | None = None) -> 
                         line, buf = buf.split(b"\n", 1)
                         req = json.loads(line)
                         if req["op"] == "cpu":
-                            rep: dict[str, Any] = {"cpu": _cpu()}
+                            rep: dict[str, Any] = {"cpu": _cpu(), "wait": run_delay()}
                         else:
                             grants = []
                             for n in req["sizes"]:
@@ -269,10 +349,15 @@ def pdd_send(
             for _ in range(repeat):
                 ((tid, total),) = gc.ask({"op": "grant", "sizes": [nbytes]})["grants"]
                 smalls = gc.ask({"op": "grant", "sizes": [K_SMALL] * small})["grants"]
-                rx_cpu0 = gc.ask({"op": "cpu"})["cpu"]
+                rx0 = gc.ask({"op": "cpu"})
                 retrans0 = tx.statistics().bytes_retrans
                 resent0 = tx.statistics().bytes_resent
-                cpu0, t0 = _cpu(), trio.current_time()
+                # the bulk streams' sockets (a private attribute: diagnostics only)
+                tcp0 = [
+                    (st.sock, tcp_time(st.sock) if st.sock is not None else None)
+                    for st in tx._streams[: tx._nbulk]
+                ]
+                cpu0, wait0, t0 = _cpu(), run_delay(), trio.current_time()
                 done: list[float] = []
 
                 async def one_small(tid_s: int, delay: float, done: list[float] = done) -> None:
@@ -286,17 +371,21 @@ def pdd_send(
                         n.start_soon(one_small, tid_s, small_delay + i * small_interval)
                     await tx.send(Grant(tid, total), [src], ranges, priority=0)
                     seconds = trio.current_time() - t0
-                cpu_tx = _cpu() - cpu0
+                cpu_tx, wait_tx = _cpu() - cpu0, run_delay() - wait0
+                rx1 = gc.ask({"op": "cpu"})
+                tcp = _tcp_time_spent([st.sock for st in tx._streams[: tx._nbulk]], tcp0)
                 st = tx.statistics()
                 out["runs"].append(
                     {
                         "seconds": seconds,
                         "cpu_tx": cpu_tx,
-                        "cpu_rx": gc.ask({"op": "cpu"})["cpu"] - rx_cpu0,
+                        "cpu_rx": rx1["cpu"] - rx0["cpu"],
+                        "cpu_wait": {"sender": wait_tx, "receiver": rx1["wait"] - rx0["wait"]},
                         "retrans": st.bytes_retrans - retrans0,
                         "resent": st.bytes_resent - resent0,
                         "hedged": st.chunks_hedged,
                         "small_s": done,
+                        "tcp_time": tcp,
                         "congestion": st.streams[0].congestion,
                         "chunk_size": st.chunk_size,
                         "pacing": {
