@@ -96,6 +96,16 @@ def test_paired_rounds_need_pddnet_and_a_peer() -> None:
     assert local._paired_rounds(run, _args("--rounds", "0"), 1) == {}
 
 
+def test_a_peer_venv_that_cannot_be_made_is_reported(tmp_path: Path) -> None:
+    """``--install-peers`` where the venv cannot be made: every step's error, no exception."""
+    (tmp_path / "file").write_text("")
+    venv = str(tmp_path / "file" / "venv")  # under a regular file: venv and pip fail
+    errors: dict[str, str] = {}
+    local._install_peers(venv, errors)
+    assert set(errors) == {venv, "numpy", "mooncake-transfer-engine-non-cuda"}
+    assert all(errors.values())
+
+
 @pytest.mark.ucx
 @pytest.mark.skipif(not available("ucxx"), reason="ucxx is not installed")
 def test_quick_run_against_raw_ucxx(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import add_common_arguments, print_table, write_report
+from ._common import add_common_arguments, print_table, run_install, write_report
 
 K_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
@@ -468,10 +468,7 @@ def _install_peers(venv: str, errors: dict[str, str]) -> None:
         [f"{venv}/bin/pip", "install", "-q", "--no-deps", "nixl-cu12", "numpy"],
         [f"{venv}/bin/pip", "install", "-q", "--no-deps", "mooncake-transfer-engine-non-cuda"],
     ]
-    for cmd in cmds:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            errors[" ".join(cmd[-1:])] = r.stderr[-1000:]
+    run_install(cmds, errors)
 
 
 def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, list[float | None]]:
