@@ -8,7 +8,12 @@ prompt's KV blocks; instance B (``kv_consumer``) is given that KV for:
 * the prompt plus A's first 12 tokens (MD's case: B computes those 12 itself,
   which is MD's recompute): B must continue with A's token 13 onwards;
 * the same prompt with the KV zeroed: B's stream must differ, which shows B's
-  attention reads the copied blocks rather than recomputing the prompt.
+  attention reads the copied blocks rather than recomputing the prompt;
+* the same three through an asynchronous load (``WAITING_FOR_REMOTE_KVS``, the
+  path pddnet's receivers will take), where RLD's prompt is P's prompt plus P's
+  first token, so vLLM computes that token's KV as a decode step would; and an
+  asynchronous load of the whole prompt, after which vLLM recomputes the last
+  prompt token itself.
 
 vLLM keeps its worker-side connector in a process-wide global, so each engine
 runs in an OS process of its own: this file re-runs itself as the child.
@@ -99,12 +104,22 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
         assert saved.shape[:2] == (2, -(-len(p) // 32))  # layers, blocks
         assert np.abs(saved).max() > 0
         np.save(kv_dir / f"zero-{rid}.npy", np.zeros_like(saved))
-        b_prompts |= {f"rld-{rid}": p, f"md-{rid}": p + a[rid][:K_EAGER], f"zero-{rid}": p}
-        b_kv |= {
-            f"rld-{rid}": _kv(rid, len(p)),
-            f"md-{rid}": _kv(rid, len(p)),  # only the prompt's KV: B computes the eager tokens
-            f"zero-{rid}": _kv(f"zero-{rid}", len(p)),
-        }
+        for mode in ("sync", "async"):
+            is_async = mode == "async"
+            first = a[rid][:1] if is_async else []  # RLD's prompt: P's prompt + P's first token
+            b_prompts |= {
+                f"{mode}-rld-{rid}": p + first,
+                f"{mode}-md-{rid}": p + a[rid][:K_EAGER],
+                f"{mode}-zero-{rid}": p + first,
+            }
+            b_kv |= {  # only the prompt's KV: B computes the tokens after it
+                f"{mode}-rld-{rid}": _kv(rid, len(p), is_async),
+                f"{mode}-md-{rid}": _kv(rid, len(p), is_async),
+                f"{mode}-zero-{rid}": _kv(f"zero-{rid}", len(p), is_async),
+            }
+        # An asynchronous load may cover the whole request: vLLM recomputes its last token.
+        b_prompts[f"async-full-{rid}"] = p
+        b_kv[f"async-full-{rid}"] = _kv(rid, len(p), True)
     b = _run(
         tmp_path,
         "b",
@@ -117,13 +132,16 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
         },
     )
     for rid in prompts:
-        assert b[f"rld-{rid}"] == a[rid]
-        assert b[f"md-{rid}"][: K_NEW - K_EAGER] == a[rid][K_EAGER:]
-        assert b[f"zero-{rid}"] != a[rid]
+        assert b[f"sync-rld-{rid}"] == a[rid]
+        assert b[f"async-rld-{rid}"][: K_NEW - 1] == a[rid][1:]
+        assert b[f"async-full-{rid}"] == a[rid]
+        for mode in ("sync", "async"):
+            assert b[f"{mode}-md-{rid}"][: K_NEW - K_EAGER] == a[rid][K_EAGER:], mode
+            assert b[f"{mode}-zero-{rid}"] != b[f"{mode}-rld-{rid}"], mode
 
 
-def _kv(key: str, tokens: int) -> dict[str, Any]:
-    return {"pddnet_key": key, "pddnet_tokens": tokens}
+def _kv(key: str, tokens: int, is_async: bool) -> dict[str, Any]:
+    return {"pddnet_key": key, "pddnet_tokens": tokens, "pddnet_async": is_async}
 
 
 if __name__ == "__main__":

@@ -14,11 +14,17 @@ Roles, from ``KVTransferConfig.kv_role``:
   ``<dir>/<key>.npy`` (an array ``[layers, blocks, *block_shape]``).
 * ``kv_consumer`` (RLD / MD): a request whose ``kv_transfer_params`` carry
   ``pddnet_key`` and ``pddnet_tokens`` reports that many tokens as externally
-  computed (at most all but the last token of its prompt, which vLLM must
-  compute to sample from), and ``start_load_kv`` copies the file's blocks into
-  the blocks vLLM allocated for them, before the forward pass (a synchronous
-  load). MD passes prompt + eager tokens as the prompt and only the prompt's
-  KV: vLLM computes the rest, which is MD's recompute.
+  computed, and ``start_load_kv`` copies the file's blocks into the blocks vLLM
+  allocated for them. MD passes prompt + eager tokens as the prompt and only
+  the prompt's KV: vLLM computes the rest, which is MD's recompute.
+
+  - Synchronous (the default): the load runs before the forward pass that
+    computes the rest; at most all but the last token of the request count,
+    since vLLM must compute one to sample from.
+  - Asynchronous (``"pddnet_async": True``, the path pddnet's receivers will
+    take): the request waits in ``WAITING_FOR_REMOTE_KVS`` until ``get_finished``
+    reports it received; every token may count, and vLLM recomputes the last
+    one itself when the load covers the whole request.
 
 Requests name their KV with ``SamplingParams(extra_args={"kv_transfer_params":
 {"pddnet_key": ..., "pddnet_tokens": ...}})``; vLLM's own request ids get a
@@ -53,6 +59,7 @@ _torch: Any = require("torch")
 class _Transfer:
     key: str
     block_ids: tuple[int, ...]
+    request_id: str = ""  # set for an asynchronous load, reported by get_finished
 
 
 @dataclass(slots=True)
@@ -61,11 +68,22 @@ class _Meta(_v1.KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
 
 
-def _params(request: Any) -> tuple[str, int] | None:
+@dataclass(frozen=True, slots=True)
+class _Params:
+    key: str
+    tokens: int
+    is_async: bool
+
+
+def _params(request: Any) -> _Params | None:
     params = request.kv_transfer_params or {}
     if "pddnet_key" not in params:
         return None
-    return str(params["pddnet_key"]), int(params.get("pddnet_tokens", 0))
+    return _Params(
+        str(params["pddnet_key"]),
+        int(params.get("pddnet_tokens", 0)),
+        bool(params.get("pddnet_async", False)),
+    )
 
 
 class FileCopyConnector(_v1.KVConnectorBase_V1):
@@ -87,6 +105,7 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         self._to_load: list[_Transfer] = []
         # worker side
         self._layers: list[Any] = []
+        self._received: set[str] = set()  # asynchronous loads done, not yet reported
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(
@@ -96,9 +115,16 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         found = _params(request)
         if self._producer or found is None:
             return 0, False
-        # A synchronous load must leave at least one token for vLLM to compute.
-        usable = min(found[1], request.num_tokens - 1)
-        return max(usable - num_computed_tokens, 0), False
+        # A synchronous load must leave at least one token for vLLM to compute
+        # (the scheduler asserts it); after an asynchronous one vLLM backs off
+        # one token itself (Scheduler._update_waiting_for_remote_kv).
+        limit = request.num_tokens if found.is_async else request.num_tokens - 1
+        count = max(min(found.tokens, limit) - num_computed_tokens, 0)
+        return count, found.is_async and count > 0
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """The load fills the request's own blocks in every group: skip their zeroing."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Note the blocks a load fills (consumer) or a request to save (producer)."""
@@ -106,10 +132,11 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         if found is None:
             return
         if self._producer:
-            self._to_save[request.request_id] = found[0]
+            self._to_save[request.request_id] = found.key
         elif num_external_tokens > 0:
             ids = blocks.get_block_ids()[0][: math.ceil(num_external_tokens / self._block_size)]
-            self._to_load.append(_Transfer(found[0], tuple(int(b) for b in ids)))
+            rid = request.request_id if found.is_async else ""
+            self._to_load.append(_Transfer(found.key, tuple(int(b) for b in ids), rid))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """This step's loads, and the saves of prompts that this step completes."""
@@ -147,6 +174,8 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
             ids = _torch.tensor(t.block_ids, dtype=_torch.long)
             for layer, saved in zip(self._layers, data, strict=True):
                 layer[ids] = _torch.from_numpy(saved[: len(t.block_ids)])
+            if t.request_id:
+                self._received.add(t.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in :meth:`start_load_kv`; nothing to wait for."""
@@ -155,6 +184,11 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
         """Saves happen once per step, in :meth:`wait_for_save`."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Report the asynchronous loads done since the last call (sends are synchronous)."""
+        done, self._received = self._received, set()
+        return None, done or None
 
     def wait_for_save(self) -> None:
         """Write the blocks of every prompt completed in this step's forward pass."""
