@@ -1,8 +1,10 @@
 """Prompt KV copied from one vLLM instance into another gives the same greedy tokens.
 
 The first step of pddnet's vLLM connector (``FileCopyConnector``): instance A
-(``kv_producer``, the role of P) prefills and decodes alone, and saves its
-prompt's KV blocks; instance B (``kv_consumer``) is given that KV for:
+(``kv_producer``, the role of P) prefills and decodes alone, saves its prompt's
+KV blocks, and holds each finished request's blocks until they are released
+(as P will until pddnet's receivers are done); instance B (``kv_consumer``) is
+given that KV for:
 
 * the prompt (RLD's case): B's stream must equal A's;
 * the prompt plus A's first 12 tokens (MD's case: B computes those 12 itself,
@@ -57,12 +59,27 @@ def _child(spec_path: str) -> None:
     )
     args = cpu_engine_kwargs(spec["model"], kv_transfer_config=kv, enable_prefix_caching=False)
     engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    free = {"start": pool.get_num_free_blocks()}
     steps = run_greedy(engine, spec["prompts"], K_NEW, kv_transfer_params=spec["kv"])
-    out = {rid: [t for s in per_step for t in s] for rid, per_step in steps.items()}
-    Path(spec["out"]).write_text(json.dumps(out))
+    streams = {rid: [t for s in per_step for t in s] for rid, per_step in steps.items()}
+    if spec["role"] == "kv_producer":  # held blocks stay allocated until released
+        free["finished"] = pool.get_num_free_blocks()
+        for _ in range(3):
+            engine.step()
+        free["idle"] = pool.get_num_free_blocks()
+        for kv in spec["kv"].values():
+            (Path(spec["dir"]) / f"{kv['pddnet_key']}.release").touch()
+        for _ in range(100):
+            if not scheduler.has_requests():
+                break
+            engine.step()
+        free["released"] = pool.get_num_free_blocks()
+    Path(spec["out"]).write_text(json.dumps({"streams": streams, "free_blocks": free}))
 
 
-def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, list[int]]:
+def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     proc = subprocess.run(
@@ -72,7 +89,7 @@ def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, list[int]]:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, list[int]] = json.loads(out_path.read_text())
+    result: dict[str, Any] = json.loads(out_path.read_text())
     return result
 
 
@@ -85,7 +102,7 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir()
     prompts = {f"p{i}": p for i, p in enumerate(_prompts())}
-    a = _run(
+    a_run = _run(
         tmp_path,
         "a",
         {
@@ -93,9 +110,17 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
             "dir": str(kv_dir),
             "model": model,
             "prompts": prompts,
-            "kv": {rid: {"pddnet_key": rid} for rid in prompts},
+            "kv": {rid: {"pddnet_key": rid, "pddnet_hold": True} for rid in prompts},
         },
     )
+    a: dict[str, list[int]] = a_run["streams"]
+    # P's finished requests hold their blocks (prompt and all but the last token)
+    # through idle steps, until released; then vLLM frees every one.
+    free = a_run["free_blocks"]
+    held = sum(-(-(len(p) + K_NEW - 1) // 32) for p in prompts.values())
+    assert free["start"] - free["finished"] == held
+    assert free["idle"] == free["finished"]
+    assert free["released"] == free["start"]
     b_prompts: dict[str, list[int]] = {}
     b_kv: dict[str, dict[str, Any]] = {}
     for rid, p in prompts.items():
@@ -120,7 +145,7 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
         # An asynchronous load may cover the whole request: vLLM recomputes its last token.
         b_prompts[f"async-full-{rid}"] = p
         b_kv[f"async-full-{rid}"] = _kv(rid, len(p), True)
-    b = _run(
+    b: dict[str, list[int]] = _run(
         tmp_path,
         "b",
         {
@@ -130,7 +155,7 @@ def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
             "prompts": b_prompts,
             "kv": b_kv,
         },
-    )
+    )["streams"]
     for rid in prompts:
         assert b[f"sync-rld-{rid}"] == a[rid]
         assert b[f"async-rld-{rid}"][: K_NEW - 1] == a[rid][1:]

@@ -11,7 +11,11 @@ Roles, from ``KVTransferConfig.kv_role``:
 
 * ``kv_producer`` (P): after the forward pass that completes a request's prompt,
   ``wait_for_save`` writes the prompt's whole blocks, every layer, to
-  ``<dir>/<key>.npy`` (an array ``[layers, blocks, *block_shape]``).
+  ``<dir>/<key>.npy`` (an array ``[layers, blocks, *block_shape]``). With
+  ``"pddnet_hold": True`` the finished request keeps its blocks
+  (``request_finished`` returns True) until ``<dir>/<key>.release`` exists,
+  when ``get_finished`` reports it sent and vLLM frees them: a stand-in for
+  pddnet telling P that its receivers are done with the blocks.
 * ``kv_consumer`` (RLD / MD): a request whose ``kv_transfer_params`` carry
   ``pddnet_key`` and ``pddnet_tokens`` reports that many tokens as externally
   computed, and ``start_load_kv`` copies the file's blocks into the blocks vLLM
@@ -59,7 +63,8 @@ _torch: Any = require("torch")
 class _Transfer:
     key: str
     block_ids: tuple[int, ...]
-    request_id: str = ""  # set for an asynchronous load, reported by get_finished
+    request_id: str  # vLLM's (internal) id
+    report: bool  # owed a get_finished report: an async load once done, a held save once released
 
 
 @dataclass(slots=True)
@@ -73,6 +78,7 @@ class _Params:
     key: str
     tokens: int
     is_async: bool
+    hold: bool
 
 
 def _params(request: Any) -> _Params | None:
@@ -83,6 +89,7 @@ def _params(request: Any) -> _Params | None:
         str(params["pddnet_key"]),
         int(params.get("pddnet_tokens", 0)),
         bool(params.get("pddnet_async", False)),
+        bool(params.get("pddnet_hold", False)),
     )
 
 
@@ -101,11 +108,13 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         self._producer = bool(cfg.is_kv_producer)
         self._block_size = int(vllm_config.cache_config.block_size)
         # scheduler side
-        self._to_save: dict[str, str] = {}  # vLLM request id -> key
+        self._to_save: dict[str, _Params] = {}  # vLLM request id -> its params
         self._to_load: list[_Transfer] = []
         # worker side
         self._layers: list[Any] = []
         self._received: set[str] = set()  # asynchronous loads done, not yet reported
+        self._held: dict[str, str] = {}  # held request id -> key, until released
+        self._finished: set[str] = set()  # held requests vLLM has finished
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(
@@ -132,19 +141,20 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         if found is None:
             return
         if self._producer:
-            self._to_save[request.request_id] = found.key
+            self._to_save[request.request_id] = found
         elif num_external_tokens > 0:
             ids = blocks.get_block_ids()[0][: math.ceil(num_external_tokens / self._block_size)]
-            rid = request.request_id if found.is_async else ""
-            self._to_load.append(_Transfer(found.key, tuple(int(b) for b in ids), rid))
+            self._to_load.append(
+                _Transfer(found.key, tuple(int(b) for b in ids), request.request_id, found.is_async)
+            )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """This step's loads, and the saves of prompts that this step completes."""
         meta = _Meta(loads=self._to_load)
         self._to_load = []
         for req in scheduler_output.scheduled_new_reqs:
-            key = self._to_save.pop(req.req_id, None)
-            if key is None:
+            found = self._to_save.pop(req.req_id, None)
+            if found is None:
                 continue
             scheduled = req.num_computed_tokens + scheduler_output.num_scheduled_tokens[req.req_id]
             if scheduled < len(req.prompt_token_ids):
@@ -153,12 +163,18 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
                     request_id=req.req_id,
                 )
             blocks = math.ceil(len(req.prompt_token_ids) / self._block_size)
-            meta.saves.append(_Transfer(key, tuple(req.block_ids[0][:blocks])))
+            ids = tuple(req.block_ids[0][:blocks])
+            meta.saves.append(_Transfer(found.key, ids, req.req_id, found.hold))
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        """Saves are synchronous, so the blocks may be freed at once."""
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a producer's blocks if the request asked to; otherwise free them now."""
         self._to_save.pop(request.request_id, None)
+        found = _params(request)
+        if self._producer and found is not None and found.hold:
+            return True, {"pddnet_key": found.key, "pddnet_held_blocks": len(block_ids)}
         return False, None
 
     # --------------------------------------------------------------- worker side
@@ -174,7 +190,7 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
             ids = _torch.tensor(t.block_ids, dtype=_torch.long)
             for layer, saved in zip(self._layers, data, strict=True):
                 layer[ids] = _torch.from_numpy(saved[: len(t.block_ids)])
-            if t.request_id:
+            if t.report:
                 self._received.add(t.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -185,10 +201,19 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
     ) -> None:
         """Saves happen once per step, in :meth:`wait_for_save`."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        """Report the asynchronous loads done since the last call (sends are synchronous)."""
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report held requests now released, and asynchronous loads done since the last call.
+
+        vLLM accepts a finished send only for a request it has named in
+        ``finished_req_ids``, in this call or an earlier one.
+        """
+        self._finished |= finished_req_ids & self._held.keys()
+        sent = {r for r in self._finished if (self._dir / f"{self._held[r]}.release").exists()}
+        for r in sent:
+            del self._held[r]
+        self._finished -= sent
         done, self._received = self._received, set()
-        return None, done or None
+        return sent or None, done or None
 
     def wait_for_save(self) -> None:
         """Write the blocks of every prompt completed in this step's forward pass."""
@@ -197,6 +222,8 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
             ids = _torch.tensor(t.block_ids, dtype=_torch.long)
             data = np.stack([layer[ids].numpy() for layer in self._layers])
             np.save(self._dir / f"{t.key}.npy", data)
+            if t.report:
+                self._held[t.request_id] = t.key
 
 
 def _layer_index(name: str) -> int:
