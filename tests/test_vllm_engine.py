@@ -8,6 +8,7 @@ depend on the prompt, and must be the same whether vLLM is driven by
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from pddnet.integrations.vllm import (
     apply_cpu_env,
     build_tiny_llama,
     cpu_engine_kwargs,
+    reference_config,
     run_greedy,
     tail_period,
 )
+from pddnet.recompute import ReferenceModel, Weights, greedy
 
 K_NEW = 64  # tokens generated per prompt
 
@@ -67,11 +70,15 @@ def test_build_tiny_llama_is_reproducible(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny: Path) -> Iterator[Any]:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
     apply_cpu_env()
-    path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    engine = vllm.LLM(**cpu_engine_kwargs(path))
+    engine = vllm.LLM(**cpu_engine_kwargs(tiny))
     yield engine
     del engine
 
@@ -147,3 +154,34 @@ def test_abort_mid_stream_stops_one_request_only(llm: Any, streams: list[list[in
     assert got["stop"] == streams[2][:10]
     assert got["stay"] == streams[1]
     assert engine.get_num_unfinished_requests() == 0
+
+
+def test_pddnet_reference_model_decodes_as_vllm_does(tiny: Path, streams: list[list[int]]) -> None:
+    # The same checkpoint in pddnet's NumPy reference model gives the same greedy
+    # tokens, so a reference run is a token-for-token oracle for vLLM runs.
+    config = reference_config(tiny)
+    model = ReferenceModel.create(
+        config,
+        num_blocks=64,
+        block_size=32,
+        weights=Weights.load(config, tiny / "model.safetensors"),
+    )
+    for prompt, stream in zip(_prompts(), streams, strict=True):
+        seq = model.new_sequence(len(prompt) + K_NEW)
+        tokens = [greedy(model.prefill(seq, prompt))]
+        while len(tokens) < K_NEW:
+            tokens.append(greedy(model.decode_step(seq, tokens[-1])))
+        assert model.allocator is not None
+        model.allocator.free(seq.block_table)
+        assert tokens == stream
+
+
+def test_reference_config_refuses_what_the_reference_model_lacks(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors", reason="needs the safetensors package (pddnet[vllm])")
+    pytest.importorskip("tokenizers", reason="needs the tokenizers package (pddnet[vllm])")
+    path = build_tiny_llama(tmp_path / "m")
+    assert reference_config(path).num_kv_heads == 2
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(LocalProtocolError, match="tie_word_embeddings"):
+        reference_config(path)

@@ -4,6 +4,8 @@ This package imports without vLLM installed; only what runs an engine needs it.
 
 * :func:`build_tiny_llama` writes a small Llama checkpoint and BPE tokenizer in
   code, so vLLM can load a model with no model hub;
+* :func:`reference_config` reads such a checkpoint's config as pddnet's
+  reference-model config (the two models' greedy streams agree);
 * :func:`tail_period` checks that a greedy token stream has not fallen into a
   short cycle (which would hide off-by-n handoff bugs);
 * :func:`apply_cpu_env`, :func:`cpu_engine_kwargs` and :func:`run_greedy` start
@@ -14,7 +16,7 @@ onto it.
 """
 
 from ._engine import K_CPU_BLOCK_SIZE, K_CPU_ENV, apply_cpu_env, cpu_engine_kwargs, run_greedy
-from ._tiny import K_TINY_SEED, build_tiny_llama, tail_period
+from ._tiny import K_TINY_SEED, build_tiny_llama, reference_config, tail_period
 
 __all__ = [
     "K_CPU_BLOCK_SIZE",
@@ -23,6 +25,7 @@ __all__ = [
     "apply_cpu_env",
     "build_tiny_llama",
     "cpu_engine_kwargs",
+    "reference_config",
     "run_greedy",
     "tail_period",
 ]

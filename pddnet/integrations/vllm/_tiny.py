@@ -23,8 +23,9 @@ import numpy as np
 
 from ..._errors import LocalProtocolError, MissingExtraError
 from ..._optional import require
+from ...recompute import ModelConfig
 
-__all__ = ["K_TINY_SEED", "build_tiny_llama", "tail_period"]
+__all__ = ["K_TINY_SEED", "build_tiny_llama", "reference_config", "tail_period"]
 
 K_TINY_SEED = 7
 K_BOS = "<s>"
@@ -117,6 +118,42 @@ def build_tiny_llama(
     )
     _write_tokenizer(out, vocab)
     return out
+
+
+def reference_config(path: str | Path) -> ModelConfig:
+    """The :class:`~pddnet.recompute.ModelConfig` of a Llama checkpoint's ``config.json``.
+
+    With it, ``Weights.load(config, path / "model.safetensors")`` gives pddnet's
+    reference model the checkpoint's weights; on :func:`build_tiny_llama`'s
+    checkpoint its greedy streams equal vLLM's (tests/test_vllm_engine.py).
+
+    Raises:
+        LocalProtocolError: if the config is not a plain Llama (biases, tied
+            embeddings, or RoPE scaling, which the reference model lacks).
+    """
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    unsupported = [
+        k
+        for k in ("attention_bias", "mlp_bias", "tie_word_embeddings", "rope_scaling")
+        if cfg.get(k)
+    ]
+    if cfg.get("model_type") != "llama" or unsupported:
+        raise LocalProtocolError(
+            f"{path} is not a plain Llama checkpoint (model_type={cfg.get('model_type')!r},"
+            f" unsupported: {unsupported})"
+        )
+    heads = int(cfg["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim", int(cfg["hidden_size"]) // heads)),
+        intermediate=int(cfg["intermediate_size"]),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+    )
 
 
 def tail_period(tokens: Sequence[int], *, max_period: int = 16, window: int = 32) -> int | None:
