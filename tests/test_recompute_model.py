@@ -194,6 +194,30 @@ def test_allocator_grows_and_releases() -> None:
     assert model.allocator.free_blocks == 4 and seq.length == 0
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([1, 1], "twice"),  # freed twice in one call
+        ([2], "double free"),  # freed before: it would be handed out twice
+        ([5], "not allocated"),  # in range, never handed out
+        ([-1], "outside"),
+        ([8], "outside"),
+    ],
+)
+def test_allocator_refuses_double_and_foreign_frees(bad: list[int], match: str) -> None:
+    alloc = BlockAllocator(8)
+    ids = alloc.allocate(4).tolist()
+    assert ids == [0, 1, 2, 3]
+    alloc.free([2])
+    with pytest.raises(LocalProtocolError, match=match):
+        alloc.free(bad)
+    # a refused free changes nothing: each block is handed out exactly once more
+    assert alloc.free_blocks == 5
+    alloc.free([0, 1, 3])
+    again = alloc.allocate(8).tolist()
+    assert sorted(again) == list(range(8))
+
+
 def test_public_exports_resolve() -> None:
     import pddnet.recompute as pkg
 

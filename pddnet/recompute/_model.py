@@ -63,6 +63,11 @@ class PagedSequence:
 class BlockAllocator:
     """A free list of block ids (the demo's and tests' stand-in for an engine's).
 
+    It keeps one flag per block (allocated or free), so a block returned twice,
+    or one it never handed out, is refused loudly instead of being handed to
+    two requests later (two sequences writing each other's KV: silently wrong
+    tokens).
+
     Args:
         num_blocks: ids ``0 .. num_blocks-1`` start free.
     """
@@ -70,6 +75,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._allocated = np.zeros(num_blocks, dtype=np.bool_)
 
     @property
     def free_blocks(self) -> int:
@@ -83,12 +89,37 @@ class BlockAllocator:
         """
         if count > len(self._free):
             raise ResourceLimitError(f"want {count} KV blocks, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(count)]
-        return np.asarray(ids, dtype=np.int32)
+        ids = np.asarray([self._free.pop() for _ in range(count)], dtype=np.int32)
+        self._allocated[ids] = True
+        return ids
 
     def free(self, block_ids: Any) -> None:
-        """Return ``block_ids`` to the free list."""
-        self._free.extend(int(b) for b in np.asarray(block_ids).reshape(-1)[::-1])
+        """Return ``block_ids`` to the free list.
+
+        Raises:
+            LocalProtocolError: if an id is out of range, listed twice, or not
+                allocated (freed already, or never handed out); then nothing is
+                freed.
+        """
+        ids = np.asarray(block_ids).reshape(-1).astype(np.int64)
+        if ids.size == 0:
+            return
+        bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+        if bad.size:
+            raise LocalProtocolError(
+                f"free of block {int(bad[0])} outside 0..{self.num_blocks - 1}"
+            )
+        uniq, counts = np.unique(ids, return_counts=True)
+        if uniq.size != ids.size:
+            raise LocalProtocolError(f"free lists block {int(uniq[counts > 1][0])} twice")
+        stale = ids[~self._allocated[ids]]
+        if stale.size:
+            raise LocalProtocolError(
+                f"double free: {stale.size} of {ids.size} blocks are not allocated"
+                f" (first: {int(stale[0])}); {len(self._free)} of {self.num_blocks} free"
+            )
+        self._allocated[ids] = False
+        self._free.extend(ids[::-1].tolist())
 
 
 def greedy(logits: Any) -> int:
