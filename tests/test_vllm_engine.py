@@ -48,8 +48,7 @@ def test_tail_period_finds_planted_cycles() -> None:
 
 
 def test_build_tiny_llama_is_reproducible(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors", reason="needs the safetensors package (pddnet[vllm])")
-    pytest.importorskip("tokenizers", reason="needs the tokenizers package (pddnet[vllm])")
+    _need_checkpoint_writers()
     a = build_tiny_llama(tmp_path / "a")
     b = build_tiny_llama(tmp_path / "b")
     c = build_tiny_llama(tmp_path / "c", seed=8)
@@ -69,16 +68,22 @@ def test_build_tiny_llama_is_reproducible(tmp_path: Path) -> None:
         build_tiny_llama(tmp_path / "d", hidden=250)
 
 
+def _need_checkpoint_writers() -> None:
+    pytest.importorskip("safetensors", reason="needs the safetensors package (pddnet[vllm])")
+    pytest.importorskip("tokenizers", reason="needs the tokenizers package (pddnet[vllm])")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _need_checkpoint_writers()
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
-def llm(tiny: Path) -> Iterator[Any]:
+def llm(request: pytest.FixtureRequest) -> Iterator[Any]:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
     apply_cpu_env()
-    engine = vllm.LLM(**cpu_engine_kwargs(tiny))
+    engine = vllm.LLM(**cpu_engine_kwargs(request.getfixturevalue("tiny")))
     yield engine
     del engine
 
@@ -177,8 +182,7 @@ def test_pddnet_reference_model_decodes_as_vllm_does(tiny: Path, streams: list[l
 
 
 def test_reference_config_refuses_what_the_reference_model_lacks(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors", reason="needs the safetensors package (pddnet[vllm])")
-    pytest.importorskip("tokenizers", reason="needs the tokenizers package (pddnet[vllm])")
+    _need_checkpoint_writers()
     path = build_tiny_llama(tmp_path / "m")
     assert reference_config(path).num_kv_heads == 2
     cfg = json.loads((path / "config.json").read_text())
