@@ -3,6 +3,7 @@ clock, and the dual send (every block to RLD, the DRC delta to MD, layer by laye
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from pddnet import LocalProtocolError, RemoteCallError
+from pddnet import LayoutMismatch, LocalProtocolError, RemoteCallError
 from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine, RelayEndpoint, Submission
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import LinkEstimate, Route, RoutePolicy, Router
@@ -127,3 +128,24 @@ async def test_the_bandwidth_sample_uses_trio_time(mock_clock: trio.testing.Mock
     sample = (p.router.link.bandwidth_bytes_s - 0.8 * bw0) / 0.2
     # 3 s of virtual time plus the real transfer (well under 3 s on loopback)
     assert nbytes / 6.0 < sample <= nbytes / 3.0
+
+
+async def test_endpoints_refuse_a_peer_with_another_model_or_kv_meaning() -> None:
+    """Both sides check the handshake: a different model fingerprint, or the
+    same block bytes in another dtype, is refused before any KV moves."""
+    pm, mm = (ReferenceModel.create(TINY, num_blocks=64) for _ in range(2))
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY, model_id="tiny@1") as p,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, model_id="tiny@2") as md,
+    ):
+        with pytest.raises(LayoutMismatch, match=r"'tiny@1' at p \(prefill\) vs 'tiny@2' at md"):
+            await p.connect_peer(md.info())
+        with pytest.raises(LayoutMismatch, match=r"'tiny@2' at md \(main\) vs 'tiny@1' at p"):
+            await md.connect_peer(p.info())
+        md.model_id = "tiny@1"
+        await p.connect_peer(md.info())  # the same model: accepted
+        int32 = dataclasses.replace(
+            md.info(), layout=dataclasses.replace(md.pool.layout, dtype="int32")
+        )
+        with pytest.raises(LayoutMismatch, match="dtype 'float32' at p"):
+            await p.connect_peer(int32)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet import KVLayout, LocalProtocolError, RemoteProtocolError
+from pddnet import KVLayout, LayoutMismatch, LocalProtocolError, RemoteProtocolError
 from pddnet.api import EndpointInfo, LeaseTable
 
 
@@ -40,6 +44,7 @@ INFO = EndpointInfo(
     "tcp://10.0.0.2:5552",
     "10.0.0.2:6000",
     KVLayout(4, 2, 16, 16, "float32"),
+    "tiny-llama@3",
 )
 
 
@@ -61,8 +66,34 @@ def test_fuzz_blob_decoder(data: bytes) -> None:
 def test_blob_rejects_bad_role_and_oversize() -> None:
     import msgpack
 
-    bad = msgpack.packb([1, "x", "king", "e", 0, "c", "d", INFO.layout.to_dict()])
+    bad = msgpack.packb([2, "x", "king", "e", 0, "c", "d", INFO.layout.to_dict(), ""])
     with pytest.raises(RemoteProtocolError, match="role"):
         EndpointInfo.from_blob(bad)
     with pytest.raises(RemoteProtocolError, match="large"):
         EndpointInfo.from_blob(b"x" * 5000)
+    old = msgpack.packb([1, "x", "main", "e", 0, "c", "d", INFO.layout.to_dict()])
+    with pytest.raises(RemoteProtocolError, match="version 1"):
+        EndpointInfo.from_blob(old)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            {"layout": KVLayout(4, 2, 16, 16, "float16")},
+            "dtype 'float32' at md0 (main) vs 'float16'",
+        ),
+        ({"layout": KVLayout(4, 2, 16, 16, "float32", interior="hptd")}, "interior"),
+        ({"layout": KVLayout(4, 1, 32, 16, "float32")}, "num_kv_heads 2 at md0"),
+        ({"layout": KVLayout(4, 2, 16, 32, "float32")}, "block_size 16 at md0"),
+        ({"model": "tiny-llama@4"}, "'tiny-llama@3' at md0 (main) vs 'tiny-llama@4' at p0"),
+        ({"model": ""}, "(none stated)"),
+    ],
+)
+def test_a_peer_whose_kv_means_something_else_is_refused(change: dict[str, Any], said: str) -> None:
+    """Same bytes per block is not enough (fp16 vs bf16, heads, order, model)."""
+    peer = dataclasses.replace(INFO, name="p0", role="prefill", **change)
+    with pytest.raises(LayoutMismatch, match=re.escape(said)):
+        INFO.check_peer(peer)
+    # a fused layout of the same blocks is the same KV
+    INFO.check_peer(dataclasses.replace(INFO, layout=dataclasses.replace(INFO.layout, fused=True)))

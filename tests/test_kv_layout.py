@@ -57,3 +57,15 @@ def test_layout_round_trips_and_validates() -> None:
         KVLayout(0, 1, 1, 1)
     with pytest.raises(LayoutMismatch):
         KVLayout(1, 1, 1, 1, dtype="notadtype")
+
+
+def test_interior_orders_the_axes_of_a_block_slot() -> None:
+    vllm_cpu = KVLayout(2, 4, 64, 32, "float32", interior="hptd")
+    assert vllm_cpu.layer_shape(10) == (10, 4, 2, 32, 64)
+    assert KVLayout(2, 4, 64, 32, "float32").layer_shape(10) == (10, 2, 32, 4, 64)
+    assert KVLayout(2, 4, 64, 32, "float32", kv_major=True).layer_shape(10) == (2, 10, 32, 4, 64)
+    assert KVLayout.from_dict(vllm_cpu.to_dict()) == vllm_cpu
+    with pytest.raises(LayoutMismatch, match="permutation"):
+        KVLayout(2, 4, 64, 32, interior="pthx")
+    with pytest.raises(LayoutMismatch, match="outermost"):
+        KVLayout(2, 4, 64, 32, kv_major=True, interior="tphd")

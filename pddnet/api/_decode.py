@@ -178,9 +178,11 @@ class _DecodeEndpoint(ABC):
         wan_limits: WanLimits | None = None,
         control_tcp: TcpTuning | None = K_CONTROL_TCP,
         wan_control_paths: int = 2,
+        model_id: str = "",
     ) -> None:
         self.name = name
         self.pool = pool
+        self.model_id = model_id
         self.engine = engine
         self.params = params or HandoffParams()
         self.lease_s = lease_s
@@ -242,15 +244,17 @@ class _DecodeEndpoint(ABC):
             self.node.address,
             getattr(self.receiver, "address", ""),
             self.pool.layout,
+            self.model_id,
         )
 
     async def connect_peer(self, info: EndpointInfo) -> None:
         """Open the control connection to a peer endpoint (P, or the other decoder).
 
         Raises:
-            LayoutMismatch: if the peer's KV layout cannot feed ours.
+            LayoutMismatch: if the peer's KV layout or model differs from ours
+                (:meth:`EndpointInfo.check_peer`).
         """
-        self.pool.layout.check_compatible(info.layout)
+        self.info().check_peer(info)
         # RLD<->MD and MD<->P cross the WAN: a second connection takes the
         # single-packet tail losses (docs/handoff-bench.md)
         wan = (info.role == "main") != (self.role == "main")
@@ -611,6 +615,8 @@ class RelayEndpoint(_DecodeEndpoint):
             minimum RTO and delayed ACK; None: the system's).
         wan_control_paths: control connections to a peer across the WAN; each
             frame goes on every one, so one lost packet costs nothing.
+        model_id: the model's fingerprint, as the engine states it; every
+            peer must state the same one (:meth:`EndpointInfo.check_peer`).
         receiver: the data-path receiver (default: RLD takes the local path,
             UCX where ucxx is installed, else TCP; MD takes the WAN path).
         cut_off_wan: (RLD) when RLD finishes a request before MD's KV landed,

@@ -9,14 +9,20 @@ from typing import Any
 import msgpack
 import trio
 
-from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, TransferTimeout
+from .._errors import (
+    LayoutMismatch,
+    LocalProtocolError,
+    PddnetError,
+    RemoteProtocolError,
+    TransferTimeout,
+)
 from ..control import ControlNode
 from ..kv import KVLayout
 from ._messages import Lookup, LookupReply, Register
 
 __all__ = ["EndpointInfo", "Rendezvous"]
 
-K_INFO_VERSION = 1
+K_INFO_VERSION = 2  # 2: the model fingerprint; layouts carry their interior order
 K_MAX_BLOB = 4096
 _ROLES = ("prefill", "relay", "main")
 
@@ -33,6 +39,9 @@ class EndpointInfo:
         control: the control-plane address (``tcp://host:port``).
         data: the data-plane address (``host:port``), "" for a pure sender.
         layout: the KV layout of the endpoint's pool.
+        model: the model fingerprint the engine states (``model_id=`` of the
+            endpoint): two endpoints exchange KV only if theirs are equal, ""
+            included (see :meth:`check_peer`).
     """
 
     name: str
@@ -42,6 +51,25 @@ class EndpointInfo:
     control: str
     data: str
     layout: KVLayout
+    model: str = ""
+
+    def check_peer(self, peer: EndpointInfo) -> None:
+        """Refuse a peer whose KV would mean something else in our blocks.
+
+        Raises:
+            LayoutMismatch: if the KV layouts differ in anything but how
+                layers map onto buffers (dtype, heads, block size, interior
+                order, ...), or the model fingerprints differ; the message
+                names both sides.
+        """
+        mine, theirs = f"{self.name} ({self.role})", f"{peer.name} ({peer.role})"
+        self.layout.check_compatible(peer.layout, mine=mine, theirs=theirs)
+        if self.model != peer.model:
+            raise LayoutMismatch(
+                f"different models: {self.model or '(none stated)'!r} at {mine} vs "
+                f"{peer.model or '(none stated)'!r} at {theirs}",
+                peer=peer.name,
+            )
 
     def blob(self) -> bytes:
         """The handshake blob: versioned msgpack, safe to pass around as bytes."""
@@ -56,6 +84,7 @@ class EndpointInfo:
                     self.control,
                     self.data,
                     self.layout.to_dict(),
+                    self.model,
                 ]
             )
         )
@@ -78,13 +107,17 @@ class EndpointInfo:
                 max_str_len=512,
                 max_bin_len=0,
             )
-            version, name, role, engine_id, rank, control, data, layout = obj
+            version = obj[0]
         except Exception as exc:
             raise RemoteProtocolError(f"malformed handshake blob: {exc}") from exc
         if version != K_INFO_VERSION:
             raise RemoteProtocolError(f"handshake blob version {version!r} is not supported")
+        try:
+            _, name, role, engine_id, rank, control, data, layout, model = obj
+        except Exception as exc:
+            raise RemoteProtocolError(f"malformed handshake blob: {exc}") from exc
         if role not in _ROLES or not all(
-            isinstance(x, str) for x in (name, engine_id, control, data)
+            isinstance(x, str) for x in (name, engine_id, control, data, model)
         ):
             raise RemoteProtocolError("handshake blob has a bad role or field type")
         if type(rank) is not int or not isinstance(layout, dict):
@@ -93,7 +126,7 @@ class EndpointInfo:
             kv = KVLayout.from_dict(layout)
         except Exception as exc:
             raise RemoteProtocolError(f"handshake blob has a bad layout: {exc}") from exc
-        return cls(name, role, engine_id, rank, control, data, kv)
+        return cls(name, role, engine_id, rank, control, data, kv, model)
 
 
 class Rendezvous:

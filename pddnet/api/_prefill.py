@@ -120,6 +120,9 @@ class PrefillEndpoint:
         max_requests: requests whose source blocks pddnet holds, at most;
             ``submit`` raises :class:`~pddnet.ResourceLimitError` past it.
         control_tcp, wan_control_paths: as for :class:`RelayEndpoint`.
+        model_id: the model's fingerprint, as the engine states it (a name
+            and revision, or a digest of its config and weights); decoders
+            must state the same one, or :meth:`connect_peer` refuses them.
 
     P's node is also a token sink: open a request's stream with
     ``p.sink.open(request_id, ...)`` and submit it with ``sink=p.name``
@@ -145,9 +148,11 @@ class PrefillEndpoint:
         max_requests: int = 4096,
         control_tcp: TcpTuning | None = K_CONTROL_TCP,
         wan_control_paths: int = 2,
+        model_id: str = "",
     ) -> None:
         self.name = name
         self.pool = pool
+        self.model_id = model_id
         self.engine_id = engine_id or name
         self.rank = rank
         self.router = router or Router(RoutePolicy())
@@ -221,6 +226,7 @@ class PrefillEndpoint:
             self.node.address,
             "",
             self.pool.layout,
+            self.model_id,
         )
 
     async def connect_peer(self, info: EndpointInfo) -> None:
@@ -228,12 +234,13 @@ class PrefillEndpoint:
         a subscription to its radix-cache events.
 
         Raises:
-            LayoutMismatch: if the peer's layout cannot take our blocks.
+            LayoutMismatch: if the peer's KV layout or model differs from ours
+                (:meth:`EndpointInfo.check_peer`).
             LocalProtocolError: if the peer is not a decode endpoint.
         """
         if info.role not in ("relay", "main"):
             raise LocalProtocolError(f"{info.name} is a {info.role} endpoint, not a decoder")
-        self.pool.layout.check_compatible(info.layout)
+        self.info().check_peer(info)
         paths = self.wan_control_paths if info.role == "main" else 1  # MD is across the WAN
         await self.node.connect(info.name, info.control, paths=paths)
         # TCP streams prove the shared secret before any chunk

@@ -14,6 +14,12 @@ planes, and all byte arithmetic (:mod:`pddnet.kv._ranges`) works on them:
   the planes then live in buffer 0 at per-layer offsets.
 * ``mla=True`` stores a single latent per token (parts = 1, kv_heads = 1,
   head_dim = the latent width).
+* ``interior`` names the order of the axes inside one layer's block slot:
+  ``p`` (K/V part), ``t`` (token), ``h`` (KV head), ``d`` (head width).
+  ``"pthd"`` (the default) is ``[parts, block_size, kv_heads, head_dim]``;
+  vLLM's CPU backend stores ``"hptd"`` (per head, K of the block's tokens,
+  then V). Transfers move whole slots and never look inside, but two peers
+  must agree on it: the same bytes read in another order are other KV.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class KVLayout:
         mla: one latent per token instead of separate K and V.
         kv_major: K and V in separate planes (``[2, blocks, ...]`` per layer).
         fused: one tensor for all layers instead of one per layer.
+        interior: the axis order inside a block slot, a permutation of
+            ``"pthd"``; a KV-major layout keeps ``p`` outermost.
     """
 
     num_layers: int
@@ -63,6 +71,7 @@ class KVLayout:
     mla: bool = False
     kv_major: bool = False
     fused: bool = False
+    interior: str = "pthd"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -73,6 +82,14 @@ class KVLayout:
             raise LayoutMismatch("an MLA layout has exactly one latent head")
         if self.mla and self.kv_major:
             raise LayoutMismatch("an MLA layout has no separate K and V planes")
+        if not isinstance(self.interior, str) or sorted(self.interior) != sorted("pthd"):
+            raise LayoutMismatch(
+                f"KVLayout.interior must be a permutation of 'pthd', got {self.interior!r}"
+            )
+        if self.kv_major and self.interior[0] != "p":
+            raise LayoutMismatch(
+                f"a KV-major layout keeps K and V outermost: interior {self.interior!r}"
+            )
         _ = self.np_dtype  # validates the dtype
 
     # ----------------------------------------------------------------- sizes
@@ -116,10 +133,11 @@ class KVLayout:
     # ---------------------------------------------------------------- arrays
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's array for a pool of ``num_blocks`` blocks."""
-        tail = (self.block_size, self.num_kv_heads, self.head_dim)
+        size = {"p": self.parts, "t": self.block_size, "h": self.num_kv_heads, "d": self.head_dim}
+        inner = tuple(size[axis] for axis in self.interior)
         if self.kv_major:
-            return (self.parts, num_blocks, *tail)
-        return (num_blocks, self.parts, *tail)
+            return (inner[0], num_blocks, *inner[1:])
+        return (num_blocks, *inner)
 
     def buffer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of each buffer the pool holds (one per layer, or one fused)."""
@@ -153,6 +171,7 @@ class KVLayout:
             "mla": self.mla,
             "kv_major": self.kv_major,
             "fused": self.fused,
+            "interior": self.interior,
         }
 
     @classmethod
@@ -162,11 +181,24 @@ class KVLayout:
         except TypeError as exc:
             raise LayoutMismatch(f"bad KVLayout description: {exc}") from exc
 
-    def check_compatible(self, other: KVLayout) -> None:
-        """Raise :class:`LayoutMismatch` unless blocks of ``other`` map 1:1 onto ours."""
-        # The byte stream of a transfer walks planes in order, so the plane
-        # structure must match; fused or not only changes the buffer mapping.
-        mine = (self.num_layers, self.kv_major, self.parts, self.block_bytes_per_layer)
-        theirs = (other.num_layers, other.kv_major, other.parts, other.block_bytes_per_layer)
-        if mine != theirs:
-            raise LayoutMismatch(f"incompatible KV layouts: {self} vs {other}")
+    def check_compatible(
+        self, other: KVLayout, *, mine: str = "here", theirs: str = "there"
+    ) -> None:
+        """Raise :class:`LayoutMismatch` unless blocks of ``other`` mean the same as ours.
+
+        Every field must agree except ``fused``, which only changes how planes
+        map onto buffers: the same bytes in another dtype, head layout or
+        interior order would be read as other KV.
+
+        Args:
+            other: the peer's layout.
+            mine, theirs: names of the two sides, for the error message.
+        """
+        fields = [f for f in self.to_dict() if f != "fused"]
+        differ = [f for f in fields if getattr(self, f) != getattr(other, f)]
+        if differ:
+            said = ", ".join(
+                f"{f} {getattr(self, f)!r} at {mine} vs {getattr(other, f)!r} at {theirs}"
+                for f in differ
+            )
+            raise LayoutMismatch(f"incompatible KV layouts ({said})")

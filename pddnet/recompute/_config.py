@@ -89,6 +89,10 @@ class ModelConfig:
         """Raise :class:`LayoutMismatch` unless ``layout`` can hold this model's KV."""
         if layout.mla or layout.fused:
             raise LayoutMismatch("the reference model needs per-layer, non-MLA KV buffers")
+        if layout.interior != "pthd":
+            raise LayoutMismatch(
+                f"the reference model reads blocks as 'pthd', the KV layout has {layout.interior!r}"
+            )
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         have = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
         if want != have:

@@ -35,7 +35,9 @@ def seeds() -> dict[str, dict[str, bytes]]:
     ping = encode_frame(Ping(b"hi"), key=KEY, src=SRC, dst=DST, seq=1)
     hello = encode_frame(Hello("p0", 1, b"\x00" * 8), key=KEY, src=SRC, dst=DST, seq=2)
     layout = KVLayout(4, 2, 16, 16, "float32")
-    info = EndpointInfo("md0", "main", "e", 0, "tcp://10.0.0.2:5552", "10.0.0.2:6000", layout)
+    info = EndpointInfo(
+        "md0", "main", "e", 0, "tcp://10.0.0.2:5552", "10.0.0.2:6000", layout, "tiny@1"
+    )
     blob = info.blob()
     return {
         "chunk_header": {
@@ -70,9 +72,13 @@ def seeds() -> dict[str, dict[str, bytes]]:
         "endpoint_blob": {
             "ok-main.bin": blob,
             "bad-truncated.bin": blob[:-3],
-            "bad-role.bin": msgpack.packb([1, "x", "king", "e", 0, "c", "d", layout.to_dict()]),
-            "bad-layout.bin": msgpack.packb([1, "x", "main", "e", 0, "c", "d", {"x": 1}]),
-            "bad-bin-field.bin": msgpack.packb([1, b"x", "main", "e", 0, "c", "d", {}]),
+            "bad-role.bin": msgpack.packb([2, "x", "king", "e", 0, "c", "d", layout.to_dict(), ""]),
+            "bad-layout.bin": msgpack.packb([2, "x", "main", "e", 0, "c", "d", {"x": 1}, ""]),
+            "bad-bin-field.bin": msgpack.packb([2, b"x", "main", "e", 0, "c", "d", {}, ""]),
+            "bad-model-type.bin": msgpack.packb([2, "x", "main", "e", 0, "c", "d", {}, 7]),
+            "bad-version-1.bin": msgpack.packb(
+                [1, "x", "main", "e", 0, "c", "d", layout.to_dict()]
+            ),
             "bad-oversize.bin": b"\x90" * 5000,
         },
         "link_frame": {
