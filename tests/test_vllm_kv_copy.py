@@ -93,7 +93,7 @@ def _run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.slow  # two engine processes: 24-55 s on 2 cores
+@pytest.mark.slow  # two engine processes: 24-70 s on 2 cores
 def test_prompt_kv_copied_from_a_gives_a_s_tokens(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
     from pddnet.integrations.vllm import build_tiny_llama, tail_period

@@ -124,6 +124,13 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
         found = _params(request)
         if self._producer or found is None:
             return 0, False
+        if num_computed_tokens:
+            # The real connector loads past a local hit, into the blocks vLLM has
+            # no hash for (KVCacheBlocks.get_unhashed_block_ids): MD's DRC delta.
+            raise LocalProtocolError(
+                "FileCopyConnector loads from a request's first block: turn prefix caching off",
+                request_id=request.request_id,
+            )
         # A synchronous load must leave at least one token for vLLM to compute
         # (the scheduler asserts it); after an asynchronous one vLLM backs off
         # one token itself (Scheduler._update_waiting_for_remote_kv).
