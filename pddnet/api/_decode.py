@@ -415,6 +415,11 @@ class _DecodeEndpoint(ABC):
             log.info("%s: request %s failed: %s", self.name, req.rid, error)
 
     def _free(self, req: _Request, landed: bool) -> None:
+        if req.transfer_id and not req.landed.is_set():
+            # A grant still live would write the transfer's bytes into blocks that
+            # may be another request's by then: revoke it first (idempotent; the
+            # WAN receiver drops a payload revoked mid-chunk).
+            self.receiver.cancel(req.transfer_id)
         if req.owned:
             self.engine.free(req.owned)
             req.owned = []
