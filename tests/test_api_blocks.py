@@ -15,7 +15,7 @@ import trio
 
 from pddnet import LocalProtocolError
 from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine, RelayEndpoint
-from pddnet.handoff import TokenBatch
+from pddnet.handoff import AbortReason, HandoffAbort, TokenBatch
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
 
@@ -76,3 +76,45 @@ async def test_md_failing_before_its_kv_landed_revokes_the_grant_before_freeing(
                 assert (view[granted] == SENTINEL).all(), "a transfer wrote into freed blocks"
         assert released.request_id == 9
         assert md.receiver.statistics().grants == 0  # revoked, not left live
+
+
+async def test_md_caches_a_landed_prompt_when_rld_keeps_the_request() -> None:
+    """MD's KV landed, then RLD ends the handoff (it finished the answer, or
+    falls back) before MD took over: MD frees its blocks but caches the
+    prompt's full blocks, which hold P's KV, for the session's next turn."""
+    pm, rm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(3))
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY) as p,
+        RelayEndpoint("rld", rm.pool, ReferenceEngine(rm), secret=KEY) as rld,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY) as md,
+    ):
+        await wire(p, rld, md)
+        prompt = np.random.default_rng(6).integers(0, TINY.vocab_size, 300).tolist()
+        seq = pm.new_sequence()
+        pm.reserve(seq, len(prompt))
+        first = greedy(pm.prefill(seq, prompt))
+        await p.submit(
+            11, prompt, seq.block_table.tolist(), first, 8, sink="p",
+            route=Route.P_RLD_MD, ready=False,
+        )  # fmt: skip
+        for layer in range(TINY.num_layers):  # MD's KV now; RLD's never
+            p.mark_layer_ready(11, layer, dest="md")
+        with trio.fail_after(10):
+            while not md._reqs[11].landed.is_set():
+                await trio.sleep(0.01)
+        # what RLD sends when it keeps the request to the end
+        await rld.node.send("md", HandoffAbort(11, int(AbortReason.RLD_FINISHED)))
+        with trio.fail_after(10):
+            while md.statistics().active:
+                await trio.sleep(0.01)
+        full = len(prompt) // mm.block_size
+        assert len(md.cache) == full
+        assert md.statistics().free_blocks == NB - full
+        match = md.cache.match_prefix(prompt, touch=False)
+        assert match.num_blocks == full  # and they hold P's KV, bit for bit
+        p_blocks = seq.block_table[:full].tolist()
+        for md_block, p_block in zip(match.block_ids.tolist(), p_blocks, strict=True):
+            assert mm.pool.read(mm.pool.ranges([md_block])) == pm.pool.read(
+                pm.pool.ranges([p_block])
+            )
+        await p.abort(11)

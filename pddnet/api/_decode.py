@@ -337,7 +337,7 @@ class _DecodeEndpoint(ABC):
             )
         except PddnetError:
             self._stats["rejected"] += 1
-            self._free(req, landed=False)
+            self._free(req)
             raise
         req.transfer_id = grant.transfer_id
         self._stats["blocks_received"] += len(dst)
@@ -406,15 +406,15 @@ class _DecodeEndpoint(ABC):
         self._end_stream(req.rid, SourceState.DONE)
         self.hub.detach(req.rid)
         self.engine.finish(req.rid)
-        # Blocks are cacheable only if the prompt's KV really landed in them.
-        self._free(req, req.landed.is_set())
+        self._free(req)
         if error is None:
             self._stats["finished"] += 1
         else:
             self._stats["failed"] += 1
             log.info("%s: request %s failed: %s", self.name, req.rid, error)
 
-    def _free(self, req: _Request, landed: bool) -> None:
+    def _free(self, req: _Request) -> None:
+        """Give the request's blocks back (MD caches the prompt's if its KV landed)."""
         if req.transfer_id and not req.landed.is_set():
             # A grant still live would write the transfer's bytes into blocks that
             # may be another request's by then: revoke it first (idempotent; the
@@ -587,7 +587,7 @@ class _DecodeEndpoint(ABC):
     async def free_blocks(self, request_id: int) -> None:
         req = self._reqs.get(request_id)
         if req is not None:
-            self._free(req, landed=False)
+            self._free(req)
 
     @abstractmethod
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
@@ -847,9 +847,11 @@ class MainEndpoint(_DecodeEndpoint):
             self.drc.abort(req.plan_id)
             req.plan_id = None
 
-    def _free(self, req: _Request, landed: bool) -> None:
-        if landed and req.plan_id is not None and req.owned:
-            # cache the prompt's full blocks; free the rest
+    def _free(self, req: _Request) -> None:
+        # Blocks are cacheable only if the prompt's KV really landed in them:
+        # then cache the prompt's full blocks (also when RLD kept the request
+        # after MD's KV landed), and free the rest.
+        if req.landed.is_set() and req.plan_id is not None and req.owned:
             hit = self.drc.plan(req.plan_id).hit_blocks
             full = req.prompt.size // self.cache.block_size
             result = self.drc.complete(req.plan_id, req.owned[: full - hit])
@@ -859,7 +861,7 @@ class MainEndpoint(_DecodeEndpoint):
             req.owned = []
             return
         self._release_plan(req)
-        super()._free(req, landed)
+        super()._free(req)
 
     async def _finish(self, req: _Request, error: PddnetError | None) -> None:
         await super()._finish(req, error)
@@ -908,7 +910,7 @@ class MainEndpoint(_DecodeEndpoint):
     async def free_blocks(self, request_id: int) -> None:
         req = self._reqs.get(request_id)
         if req is not None and not req.keep:
-            self._free(req, landed=False)
+            self._free(req)
 
 
 def _why(result: Any) -> str:
