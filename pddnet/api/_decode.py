@@ -265,15 +265,11 @@ class _DecodeEndpoint(ABC):
 
     def statistics(self) -> DecodeStatistics:
         return DecodeStatistics(
-            **{**self._stats, "active": len(self._reqs), "free_blocks": self._free_blocks()}
+            **{**self._stats, "active": len(self._reqs), "free_blocks": self.engine.free_blocks()}
         )
 
     def _on_stats(self, peer: str, msg: StatsRequest) -> StatsReply:
         return StatsReply(stats_payload(self.statistics(), list(self.handoff_stats)))
-
-    def _free_blocks(self) -> int:
-        alloc = getattr(getattr(self.engine, "model", None), "allocator", None)
-        return int(getattr(alloc, "free_blocks", -1))
 
     # --------------------------------------------------------------- offers
     def _skip(self, req: _Request, prompt: np.ndarray) -> tuple[int, list[int]]:
@@ -837,7 +833,7 @@ class MainEndpoint(_DecodeEndpoint):
         return plan.hit_blocks, [int(b) for b in plan.hit_block_ids]
 
     def _allocate(self, n: int) -> list[int]:
-        short = n - self._free_blocks()
+        short = n - self.engine.free_blocks()
         if short > 0:  # make room from the cache's unpinned, least recently used blocks
             self.engine.free(self.cache.evict(short))
         return super()._allocate(n)

@@ -42,6 +42,11 @@ class DecodeEngine(Protocol):
         """Return blocks to the engine's free list."""
         ...
 
+    def free_blocks(self) -> int:
+        """How many blocks :meth:`allocate` could hand out now. MD evicts
+        exactly the shortfall from its radix cache before allocating."""
+        ...
+
     def start(
         self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
     ) -> None:
@@ -95,6 +100,9 @@ class ReferenceEngine:
 
     def free(self, block_ids: Sequence[int]) -> None:
         self.allocator.free(np.asarray(block_ids, dtype=np.int32))
+
+    def free_blocks(self) -> int:
+        return int(self.allocator.free_blocks)
 
     def start(
         self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
