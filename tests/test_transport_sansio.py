@@ -501,8 +501,10 @@ def test_bulk_notsent_lowat_covers_a_stall_unless_urgent() -> None:
     assert lowat([1e6, 1e6, 1e6, 1e9, 1e9]) == 256 * kib  # the median stream's rate, not the max
     assert lowat(wan, configured=0) == 0  # off stays off
     assert lowat(wan, configured=0, fast=True) == 0
-    assert lowat([1e6] * 8, fast=True) == K_FAST_NOTSENT_LOWAT  # the fast path's floor
+    assert lowat([1e6] * 8, fast=True) == K_FAST_NOTSENT_LOWAT  # a fast path: its own mark
+    assert lowat([1e9] * 8, fast=True) == K_FAST_NOTSENT_LOWAT
     assert lowat([1e9] * 8, fast=True, urgent=True) == K_FAST_NOTSENT_LOWAT
+    assert lowat([1e9] * 8, configured=2 << 20, fast=True) == 2 << 20
 
 
 def _startup(

@@ -106,11 +106,11 @@ K_DEFAULT_NOTSENT_LOWAT = 256 << 10
 # goodput 0.69-0.72 -> 0.80-0.83 of plain TCP in A/B (docs/wan.md "Chunking").
 # Urgent chunks take the express stream, which keeps the configured mark.
 K_FAST_NOTSENT_LOWAT = 1 << 20
-# While no urgent transfer runs, each bulk stream keeps at least K_STALL_COVER
+# Off a fast path, while no urgent transfer runs, each bulk stream keeps K_STALL_COVER
 # seconds of its delivery rate unsent (in powers of two over the configured mark,
 # at most K_MAX_NOTSENT_LOWAT), so the link stays fed while the sender is off the
-# CPU: 256 KiB is 17 ms of one of 8 streams on 1 Gbit/s, and on a loaded host the
-# sender waited up to 45-100 ms at a stretch, leaving the link underfed
+# CPU: 256 KiB is 17 ms of one of 8 streams on 1 Gbit/s, and on a shared core the
+# sender was off it for 30-80 ms at a stretch, leaving the link underfed
 # (docs/wan.md "Slow runs"). An urgent transfer brings the configured mark back:
 # a bulk stream then pulls (possibly urgent) chunks only once little is unsent.
 K_STALL_COVER = 0.1
@@ -158,10 +158,11 @@ def bulk_notsent_lowat(
 ) -> int:
     """The ``TCP_NOTSENT_LOWAT`` for the bulk streams.
 
-    The configured mark (at least ``K_FAST_NOTSENT_LOWAT`` on a fast path) while
-    an urgent transfer runs; otherwise raised, in powers of two, until it holds
-    ``K_STALL_COVER`` seconds of the median stream's delivery rate (at most
-    ``K_MAX_NOTSENT_LOWAT``), so a sender kept off the CPU that long still
+    On a fast path, at least ``K_FAST_NOTSENT_LOWAT`` (the best of the measured
+    values there; 4 MiB was no better). Otherwise the configured mark while an
+    urgent transfer runs, and else that mark raised, in powers of two, until it
+    holds ``K_STALL_COVER`` seconds of the median stream's delivery rate (at
+    most ``K_MAX_NOTSENT_LOWAT``), so a sender kept off the CPU that long still
     leaves its streams data to send.
 
     Args:
@@ -175,9 +176,11 @@ def bulk_notsent_lowat(
     """
     if not configured:
         return 0
-    lowat = max(configured, K_FAST_NOTSENT_LOWAT) if fast_path else configured
+    if fast_path:
+        return max(configured, K_FAST_NOTSENT_LOWAT)
     if urgent or not samples:
-        return lowat
+        return configured
+    lowat = configured
     rates = sorted(x.delivery_rate for x in samples)
     want = min(rates[len(rates) // 2] * K_STALL_COVER, K_MAX_NOTSENT_LOWAT)
     while lowat < want and lowat * 2 <= K_MAX_NOTSENT_LOWAT:
@@ -363,8 +366,10 @@ class WanSender(Sender):
             delivery rate, so no stream bursts into the bottleneck queue the
             urgent chunks must cross (docs/wan.md); None: off.
         buffer_bytes: ``SO_SNDBUF``/``SO_RCVBUF`` of each stream.
-        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); on a
-            fast path the bulk streams use at least ``K_FAST_NOTSENT_LOWAT``.
+        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); the
+            bulk streams use at least ``K_FAST_NOTSENT_LOWAT`` on a fast path, and
+            elsewhere up to ``K_STALL_COVER`` seconds of their rate while no
+            urgent transfer runs (:func:`bulk_notsent_lowat`).
         secret: if set, every stream proves the shared secret to the receiver
             (challenge-response, :mod:`pddnet.transport._auth`) before any chunk.
         tls: if set, every stream is TLS (:class:`TlsConfig`: ``ca`` to verify the
