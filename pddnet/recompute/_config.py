@@ -85,13 +85,23 @@ class ModelConfig:
             kv_major=kv_major,
         )
 
-    def check_layout(self, layout: KVLayout) -> None:
-        """Raise :class:`LayoutMismatch` unless ``layout`` can hold this model's KV."""
-        if layout.mla or layout.fused:
-            raise LayoutMismatch("the reference model needs per-layer, non-MLA KV buffers")
-        if layout.interior != "pthd":
+    def check_layout(self, layout: KVLayout, *, on_device: bool = False) -> None:
+        """Raise :class:`LayoutMismatch` unless ``layout`` can hold this model's KV.
+
+        Args:
+            layout: the pool's layout.
+            on_device: the pool is on the GPU. The NumPy path reads any block
+                interior and fused pools (its K/V are strided views); the CUDA
+                kernels assume per-layer buffers with ``'pthd'`` blocks.
+        """
+        if layout.mla:
+            raise LayoutMismatch("the reference model needs non-MLA KV buffers (K and V)")
+        if on_device and layout.fused:
+            raise LayoutMismatch("the reference model's CUDA path needs per-layer KV buffers")
+        if on_device and layout.interior != "pthd":
             raise LayoutMismatch(
-                f"the reference model reads blocks as 'pthd', the KV layout has {layout.interior!r}"
+                "the reference model's CUDA kernels read blocks as 'pthd', the KV layout"
+                f" has {layout.interior!r}"
             )
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         have = (layout.num_layers, layout.num_kv_heads, layout.head_dim)

@@ -122,6 +122,25 @@ class BlockAllocator:
         self._free.extend(ids[::-1].tolist())
 
 
+def _kv_views(pool: KVPool) -> list[tuple[Any, Any]]:
+    """Per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` views of K and V.
+
+    Views of the pool's own bytes, never copies: for a ``'pthd'`` per-layer
+    pool they are plain slices, for another block interior (vLLM CPU's
+    ``'hptd'``) or a fused pool, strided views.
+    """
+    layout = pool.layout
+    # axis names of one layer's array: "b" is the block axis
+    names = ["p", "b", *layout.interior[1:]] if layout.kv_major else ["b", *layout.interior]
+    order = [names.index(axis) for axis in "pbthd"]
+    if layout.fused:
+        layers = [pool.buffers[0][i] for i in range(layout.num_layers)]
+    else:
+        layers = list(pool.buffers)
+    views = [layer.transpose(order) for layer in layers]
+    return [(v[0], v[1]) for v in views]
+
+
 def greedy(logits: Any) -> int:
     """The argmax token of a logits row (or of the last row of a 2-D array)."""
     row = logits[-1] if logits.ndim == 2 else logits
@@ -134,9 +153,11 @@ class ReferenceModel:
     Args:
         config: model shape.
         weights: float32 weights (moved to the pool's device if it is CuPy).
-        pool: per-layer KV buffers (``fused=False``, ``mla=False``; block-major
-            or KV-major). The pool is used in place: KV that arrives by transfer
-            into it is visible to the model at once.
+        pool: its KV buffers (``mla=False``; block-major or KV-major; on the
+            NumPy path also fused and with any block interior, such as vLLM
+            CPU's ``'hptd'``; on the GPU per-layer ``'pthd'``). The pool is used
+            in place: KV that arrives by transfer into it is visible to the
+            model at once.
         allocator: if given, sequences grow into blocks taken from it;
             otherwise their block tables must already be large enough.
         matrix_dtype: GEMM dtype on the GPU path ("float16" or "float32");
@@ -159,14 +180,14 @@ class ReferenceModel:
         matrix_dtype: str = "float16",
         blas_threads: int | None = 1,
     ) -> None:
-        config.check_layout(pool.layout)
+        self.xp = array_module(pool.buffers[0])
+        config.check_layout(pool.layout, on_device=self.xp is not np)
         if weights.config != config:
             raise LayoutMismatch("weights were made for another ModelConfig")
         self.config = config
         self.pool = pool
         self.allocator = allocator
         self.block_size = pool.layout.block_size
-        self.xp = array_module(pool.buffers[0])
         if self.xp is np:
             if pool.layout.np_dtype != np.float32:
                 raise LayoutMismatch("the NumPy path keeps KV in float32")
@@ -177,13 +198,7 @@ class ReferenceModel:
             self.weights = weights.to(self.xp, matrix_dtype)
         self.kernels = kernels_for(self.xp)
         self.scale = float(config.head_dim) ** -0.5
-        # [num_blocks, block_size, kv_heads, head_dim] views of K and V per layer
-        self._kv: list[tuple[Any, Any]] = []
-        for buf in pool.buffers:
-            if pool.layout.kv_major:
-                self._kv.append((buf[0], buf[1]))
-            else:
-                self._kv.append((buf[:, 0], buf[:, 1]))
+        self._kv = _kv_views(pool)
 
     @classmethod
     def create(

@@ -50,6 +50,7 @@ import numpy as np
 
 from ..._errors import LocalProtocolError
 from ..._optional import require
+from ._kv import layer_index
 
 __all__ = ["FileCopyConnector"]
 
@@ -187,7 +188,7 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Keep the per-layer cache tensors, in layer order."""
-        self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+        self._layers = [kv_caches[name] for name in sorted(kv_caches, key=layer_index)]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Copy each pending load's blocks from its file into the paged cache."""
@@ -231,11 +232,3 @@ class FileCopyConnector(_v1.KVConnectorBase_V1):
             np.save(self._dir / f"{t.key}.npy", data)
             if t.report:
                 self._held[t.request_id] = t.key
-
-
-def _layer_index(name: str) -> int:
-    # vLLM names attention layers "model.layers.<i>.self_attn.attn".
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    raise LocalProtocolError(f"no layer index in KV cache name {name!r}")
