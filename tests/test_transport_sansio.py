@@ -407,6 +407,32 @@ def test_adaptive_pacer_still_drains_a_queue_after_jitter_rebase() -> None:
     assert p.target is not None and p.target < RATE
 
 
+def test_adaptive_pacer_does_not_judge_the_path_by_link_frames() -> None:
+    # A slow bench run's trace: eight streams sent their hellos, the bulk started
+    # over 2 s later (the startup window was over), and the decision after one
+    # late stream's hello saw only that stream: a smoothed RTT still 0.918 s from
+    # its handshake, 0.29 MB/s delivered. That read as a queue, the target went to
+    # the floor (1 MB/s) and grew back at 1.29x per period: 0.60 of the link.
+    p = AdaptivePacer(max_streams=8)
+    hello = 40
+    for k in range(22):  # seven streams connected and idle for 2.1 s
+        for i in range(7):
+            p.on_sample(TcpSample(i, 0.030, 0.030, 0.0, hello, 0), 0.1 * k)
+        p.decide(0.1 * k)
+    p.on_sample(TcpSample(7, 0.918, 0.030, 294487.0, hello, 0), 2.2)
+    assert p.decide(2.2).rate_per_stream is None
+    sent = [hello] * 8
+    allowed = np.inf
+    for k in range(10):  # then 2 s of bulk on a clean 30 ms path
+        now = 2.3 + 0.2 * k
+        for i in range(8):
+            rate = min(allowed, RATE) / 8
+            sent[i] += int(rate * 0.2)
+            p.on_sample(TcpSample(i, 0.030, 0.030, rate, sent[i], 0), now)
+        allowed = _aggregate(p.decide(now))
+    assert allowed >= RATE
+
+
 def test_adaptive_pacer_leaves_a_queue_it_cannot_drain() -> None:
     # Cross traffic takes 70 % of the path for 3 s and leaves a standing queue
     # (RTT 30 -> 80 ms) that pacing cannot drain. The pacer cuts, then, paced
