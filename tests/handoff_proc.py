@@ -21,68 +21,61 @@ import numpy as np
 import trio
 
 from pddnet import PddnetError
+from pddnet.api import ReferenceEngine
 from pddnet.control import ControlNode
 from pddnet.handoff import (
     AbortReason,
     ControlLink,
-    FinishReason,
     HandoffHub,
     HandoffParams,
+    HandoffRequest,
     MainDriver,
     RelayDriver,
     StandInEngine,
+    standin_request,
 )
-from pddnet.recompute import TINY, ReferenceModel, greedy
+from pddnet.recompute import TINY, PagedSequence, ReferenceModel, greedy
 
 RID, SEED = 9001, 1234
 WEIGHT_SEED = 11
 PROMPT = np.random.default_rng(SEED).integers(0, TINY.vocab_size, 37).tolist()
 
 
-class ModelEngine:
-    """DecodeEngine/ExtendEngine hooks over one reference-model instance."""
+class ModelEngine(ReferenceEngine):
+    """The reference engine over one reference-model instance, with the
+    request's blocks, recording the tokens a driver emits (a TokenOut).
+    Ticks run on the event loop (the tests use a virtual clock)."""
 
     def __init__(self, max_tokens: int, step_s: float = 0.02) -> None:
-        self.model = ReferenceModel.create(TINY, num_blocks=64, seed=WEIGHT_SEED)
+        model = ReferenceModel.create(TINY, num_blocks=64, seed=WEIGHT_SEED)
+        super().__init__(model, step_time_s=step_s, worker_thread=False)
         self.max_tokens = max_tokens
-        self.step_s = step_s
-        self.seq: Any = None
-        self.next = -1
-        self.n = 0
+        self.table = self.allocate(64)
+        self.first = -1
         self.emitted: list[tuple[int, int]] = []
         self.on_emit: Any = None
 
     def start(self, prompt: Sequence[int]) -> None:
         """The prompt's KV is in place (here: computed locally, as P would)."""
-        self.seq = self.model.new_sequence()
-        self.next = greedy(self.model.prefill(self.seq, list(prompt)))
+        seq = PagedSequence(np.asarray(self.table, np.int32), 0)
+        self.first = greedy(self.model.prefill(seq, list(prompt)))
 
-    async def decode_step(self, request_id: int) -> tuple[int, FinishReason | None]:
-        await trio.sleep(self.step_s)
-        tok = self.next
-        self.next = greedy(self.model.decode_step(self.seq, tok))
-        self.n += 1
-        return tok, FinishReason.MAX_TOKENS if self.n >= self.max_tokens else None
+    def request(self, prompt: Sequence[int]) -> HandoffRequest:
+        """The driver's request (P's first token included: call :meth:`start` first)."""
+        return HandoffRequest(RID, tuple(prompt), tuple(self.table), self.max_tokens, self.first)
 
-    async def extend(self, request_id: int, start: int, tokens: Sequence[int]) -> None:
-        assert start == self.n
-        await trio.sleep(len(tokens) / 2000)
-        self.next = greedy(self.model.extend(self.seq, list(tokens)))
-        self.n += len(tokens)
-
-    async def emit(self, request_id: int, position: int, token: int) -> None:
+    async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
         self.emitted.append((position, token))
         if self.on_emit is not None:
             self.on_emit(request_id, position, token)
 
 
 def reference(prompt: Sequence[int], n: int) -> list[int]:
-    eng = ModelEngine(n)
-    eng.start(prompt)
-    out = []
-    for _ in range(n):
-        out.append(eng.next)
-        eng.next = greedy(eng.model.decode_step(eng.seq, eng.next))
+    model = ReferenceModel.create(TINY, num_blocks=64, seed=WEIGHT_SEED)
+    seq = model.new_sequence()
+    out = [greedy(model.prefill(seq, list(prompt)))]
+    while len(out) < n:
+        out.append(greedy(model.decode_step(seq, out[-1])))
     return out
 
 
@@ -91,9 +84,13 @@ def make_engine(args: argparse.Namespace) -> Any:
         eng = ModelEngine(args.max_tokens, step_s=args.step)
         eng.on_emit = lambda r, p, t: out("EMIT", p, t)
         return eng
-    return StandInEngine(
-        step_s=args.step, max_tokens=args.max_tokens, on_emit=lambda r, p, t: out("EMIT", p, t)
-    )
+    return StandInEngine(step_s=args.step, on_emit=lambda r, p, t: out("EMIT", p, t))
+
+
+def request_for(engine: Any, max_tokens: int) -> HandoffRequest:
+    if isinstance(engine, ModelEngine):
+        return engine.request(PROMPT)
+    return standin_request(RID, SEED, max_tokens)
 
 
 def start(engine: Any) -> None:
@@ -120,7 +117,9 @@ async def run_md(args: argparse.Namespace) -> None:
     async with ControlNode("md0", bind="tcp://127.0.0.1:0") as node:
         hub = HandoffHub(node)
         link = ControlLink(node, "rld0", on_cancel_transfer=on_cancel, on_free_blocks=on_free)
-        driver = MainDriver(engine, link, RID, HandoffParams(rtt_s=0.01))
+        driver = MainDriver(
+            engine, link, engine, request_for(engine, args.max_tokens), HandoffParams(rtt_s=0.01)
+        )
         hub.attach(driver)
         out("ADDR", node.address)
 
@@ -150,7 +149,9 @@ async def run_rld(args: argparse.Namespace) -> None:
         await node.connect("md0", args.md_addr)
         await node.ping("md0", timeout=10.0)  # MD can now route to us
         link = ControlLink(node, "md0", on_cancel_transfer=on_cancel)
-        driver = RelayDriver(engine, link, RID, HandoffParams(rtt_s=0.01))
+        driver = RelayDriver(
+            engine, link, engine, request_for(engine, args.max_tokens), HandoffParams(rtt_s=0.01)
+        )
         hub.attach(driver)
         done = await driver.run()
         await trio.sleep(0.2)  # let the last frames drain before the sockets close

@@ -52,7 +52,7 @@ async def test_both_routes_match_greedy_and_release_everything() -> None:
     async with (
         ControlNode("user", secret=KEY) as user,
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
-        RelayEndpoint("rld", rm.pool, ReferenceEngine(rm), secret=KEY, step_time_s=0.005) as rld,
+        RelayEndpoint("rld", rm.pool, ReferenceEngine(rm, step_time_s=0.005), secret=KEY) as rld,
         MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY) as md,
     ):
         user.route(Emitted, sink.on_emit)

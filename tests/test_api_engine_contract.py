@@ -7,7 +7,13 @@ from collections.abc import Sequence
 
 import trio
 
-from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine
+from pddnet.api import (
+    DecodeRequest,
+    MainEndpoint,
+    PrefillEndpoint,
+    ReferenceEngine,
+    TokenCallback,
+)
 from pddnet.bench.faults import reference  # single-instance greedy decoding
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
@@ -32,19 +38,11 @@ class OpaqueEngine:
     def free_blocks(self) -> int:
         return self._inner.free_blocks()
 
-    def start(
-        self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
-    ) -> None:
-        self._inner.start(request_id, prompt, block_table, first_token)
+    async def run(self, request: DecodeRequest, on_token: TokenCallback) -> None:
+        await self._inner.run(request, on_token)
 
-    def decode_step(self, request_id: int) -> int:
-        return self._inner.decode_step(request_id)
-
-    def extend(self, request_id: int, tokens: Sequence[int]) -> None:
-        self._inner.extend(request_id, tokens)
-
-    def finish(self, request_id: int) -> None:
-        self._inner.finish(request_id)
+    def stop(self, request_id: int) -> None:
+        self._inner.stop(request_id)
 
 
 async def test_a_second_turn_hits_the_cache_with_an_opaque_engine() -> None:

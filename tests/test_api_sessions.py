@@ -56,7 +56,7 @@ async def test_concurrent_sessions_with_hits_strange_traffic_and_eviction_match_
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
         RelayEndpoint(
-            "rld", rm.pool, ReferenceEngine(rm), secret=KEY, step_time_s=0.002, cut_off_wan=False
+            "rld", rm.pool, ReferenceEngine(rm, step_time_s=0.002), secret=KEY, cut_off_wan=False
         ) as rld,
         MainEndpoint(
             "md", mm.pool, ReferenceEngine(mm), secret=KEY, keep_strange_traffic=True

@@ -83,9 +83,9 @@ async def test_lost_tokens_are_resent_and_the_stream_is_exact() -> None:
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
         RelayEndpoint(
-            "rld", rm.pool, ReferenceEngine(rm), secret=KEY, step_time_s=0.01, receiver=tcp()
+            "rld", rm.pool, ReferenceEngine(rm, step_time_s=0.01), secret=KEY, receiver=tcp()
         ) as rld,
-        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.002) as md,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm, step_time_s=0.002), secret=KEY) as md,
     ):
         p.sink.poll_interval_s = 0.3
         await wire(p, rld, md)
@@ -123,7 +123,7 @@ async def test_a_dead_decoder_fails_the_stream_with_a_typed_error() -> None:
             async def run_md() -> None:
                 with stop:
                     async with MainEndpoint(
-                        "md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.02
+                        "md", mm.pool, ReferenceEngine(mm, step_time_s=0.02), secret=KEY
                     ) as md:
                         await p.connect_peer(md.info())
                         await md.connect_peer(p.info())
@@ -149,7 +149,7 @@ async def test_an_abort_from_a_decoder_ends_the_stream_and_closing_tells_the_dec
     pm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(2))
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
-        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.02) as md,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm, step_time_s=0.02), secret=KEY) as md,
     ):
         await p.connect_peer(md.info())
         await md.connect_peer(p.info())

@@ -268,7 +268,7 @@ async def test_rld_killed_mid_stream_md_takes_over_and_the_stream_is_exact() -> 
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
         MainEndpoint(
-            "md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.005, watch_interval_s=30
+            "md", mm.pool, ReferenceEngine(mm, step_time_s=0.005), secret=KEY, watch_interval_s=30
         ) as md,
         trio.open_nursery() as nursery,
     ):
@@ -282,9 +282,8 @@ async def test_rld_killed_mid_stream_md_takes_over_and_the_stream_is_exact() -> 
                 async with RelayEndpoint(
                     "rld",
                     rm.pool,
-                    ReferenceEngine(rm),
+                    ReferenceEngine(rm, step_time_s=0.02),
                     secret=KEY,
-                    step_time_s=0.02,
                     receiver=tcp(),
                 ) as rld:
                     box.append(rld)
@@ -326,9 +325,9 @@ async def test_a_report_while_rld_is_alive_is_ignored_and_reports_are_authentica
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
         RelayEndpoint(
-            "rld", rm.pool, ReferenceEngine(rm), secret=KEY, step_time_s=0.02, receiver=tcp()
+            "rld", rm.pool, ReferenceEngine(rm, step_time_s=0.02), secret=KEY, receiver=tcp()
         ) as rld,
-        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY, step_time_s=0.005) as md,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm, step_time_s=0.005), secret=KEY) as md,
         ControlNode("mallory", secret=KEY) as stranger,
     ):
         await wire(p, rld, md)

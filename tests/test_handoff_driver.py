@@ -19,6 +19,7 @@ from pddnet.handoff import (
     StandInEngine,
     combine_metrics,
     greedy_reference,
+    standin_request,
 )
 from pddnet.wire import Message
 
@@ -76,13 +77,14 @@ async def run_pair(
     the survivor, with the user's stream position.
     """
     params = params or HandoffParams(rtt_s=0.03)
-    rld_eng = StandInEngine(step_s=0.02, max_tokens=max_tokens)
-    md_eng = StandInEngine(step_s=0.02, max_tokens=max_tokens, extend_rate=extend_rate)
+    rld_eng = StandInEngine(step_s=0.02)
+    md_eng = StandInEngine(step_s=0.02, extend_rate=extend_rate)
     rld_eng.start(RID, SEED)
+    req = standin_request(RID, SEED, max_tokens)
     async with trio.open_nursery() as nursery:
         to_md, to_rld = MemLink(nursery), MemLink(nursery)
-        rld = RelayDriver(rld_eng, to_md, RID, params)
-        md = MainDriver(md_eng, to_rld, RID, params)
+        rld = RelayDriver(rld_eng, to_md, rld_eng, req, params)
+        md = MainDriver(md_eng, to_rld, md_eng, req, params)
         to_md.peer, to_rld.peer = md, rld
         scopes = {"rld": trio.CancelScope(), "md": trio.CancelScope()}
 
@@ -230,7 +232,7 @@ async def test_misbehaving_peer_fails_the_request_after_the_extend(
     eng = StandInEngine(extend_rate=100.0)  # 50 tokens take 0.5 s
     async with trio.open_nursery() as nursery:
         link = MemLink(nursery)
-        md = MainDriver(eng, link, RID, HandoffParams())
+        md = MainDriver(eng, link, eng, standin_request(RID, SEED, 256), HandoffParams())
         freed_at: list[float] = []
 
         async def free(request_id: int) -> None:
@@ -264,7 +266,9 @@ async def test_a_flooding_peer_is_bounded_and_the_handoff_still_completes(
 
     eng = StandInEngine(extend_rate=1000.0)
     async with trio.open_nursery() as nursery:
-        md = MainDriver(eng, MemLink(nursery), RID, HandoffParams())
+        md = MainDriver(
+            eng, MemLink(nursery), eng, standin_request(RID, SEED, 256), HandoffParams()
+        )
         eng.start(RID, SEED)
         md.kv_landed()
         ref = greedy_reference(SEED, 20)

@@ -53,8 +53,8 @@ async def test_reference_model_stream_equals_greedy(
     params = HandoffParams(mode=mode, rtt_s=0.03)
     async with trio.open_nursery() as nursery:
         to_md, to_rld = Pipe(nursery), Pipe(nursery)
-        rld = RelayDriver(rld_eng, to_md, RID, params)
-        md = MainDriver(md_eng, to_rld, RID, params)
+        rld = RelayDriver(rld_eng, to_md, rld_eng, rld_eng.request(prompt), params)
+        md = MainDriver(md_eng, to_rld, md_eng, md_eng.request(prompt), params)
         to_md.peer, to_rld.peer = md, rld  # type: ignore[assignment]
 
         async def wan() -> None:

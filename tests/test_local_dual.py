@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine, RelayEndpoint
+from pddnet.api import (
+    DecodeRequest,
+    MainEndpoint,
+    PrefillEndpoint,
+    ReferenceEngine,
+    RelayEndpoint,
+    TokenCallback,
+)
 from pddnet.kv import KVPool
 from pddnet.recompute import TINY, ReferenceModel, greedy
 from pddnet.route import Route
@@ -36,24 +43,24 @@ class Recording(ReferenceEngine):
     """Keeps a copy of each request's prompt blocks as they are when decoding
     starts: the KV exactly as the transfers left it."""
 
-    def __init__(self, model: ReferenceModel) -> None:
-        super().__init__(model)
+    def __init__(self, model: ReferenceModel, step_time_s: float = 0.0) -> None:
+        super().__init__(model, step_time_s=step_time_s)
         self.kv: dict[int, tuple[list[int], list[bytes]]] = {}
 
-    def start(
-        self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
-    ) -> None:
-        ids = [int(b) for b in block_table[: self.pool.layout.blocks_for_tokens(len(prompt))]]
-        self.kv[request_id] = (ids, per_block(self.pool, ids))
-        super().start(request_id, prompt, block_table, first_token)
+    async def run(self, request: DecodeRequest, on_token: TokenCallback) -> None:
+        if request.request_id not in self.kv:  # the first run starts from the prompt's KV
+            n = self.pool.layout.blocks_for_tokens(request.kv_tokens)
+            ids = [int(b) for b in request.block_table[:n]]
+            self.kv[request.request_id] = (ids, per_block(self.pool, ids))
+        await super().run(request, on_token)
 
 
 async def test_dual_send_rld_all_md_delta_layer_by_layer_bit_for_bit() -> None:
     pm, rm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(3))
-    rld_engine, md_engine = Recording(rm), Recording(mm)
+    rld_engine, md_engine = Recording(rm, step_time_s=0.005), Recording(mm)
     async with (
         PrefillEndpoint("p", pm.pool, secret=KEY) as p,
-        RelayEndpoint("rld", rm.pool, rld_engine, secret=KEY, step_time_s=0.005) as rld,
+        RelayEndpoint("rld", rm.pool, rld_engine, secret=KEY) as rld,
         MainEndpoint("md", mm.pool, md_engine, secret=KEY) as md,
     ):
         await wire(p, rld, md)

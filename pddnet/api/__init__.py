@@ -9,14 +9,15 @@
 
 Each is a trio async context manager; :class:`SyncEndpoint` runs any of them
 on its own thread for engines with synchronous schedulers (``submit``,
-``poll``, a wake-up fd). Engines supply the :class:`DecodeEngine` hooks;
-:class:`ReferenceEngine` implements them with pddnet's reference model. A
+``poll``, a wake-up fd). Decode engines implement :class:`DecodeEngine`
+(continue a request, stream its tokens, stop it; batched as the engine
+likes); :class:`ReferenceEngine` does so with pddnet's reference model. A
 :class:`TokenSink` (P's node has one) turns the decoders' token frames into
 complete, ordered streams or typed errors. See docs/embedding.md.
 """
 
 from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_id
-from ._engine import DecodeEngine, ReferenceEngine
+from ._engine import DecodeEngine, DecodeRequest, ReferenceEngine, TokenCallback
 from ._info import EndpointInfo, Rendezvous
 from ._lease import Lease, LeaseTable
 from ._messages import (
@@ -44,6 +45,7 @@ __all__ = [
     "Completion",
     "CutOffWan",
     "DecodeEngine",
+    "DecodeRequest",
     "DecodeStatistics",
     "Emitted",
     "EndpointInfo",
@@ -72,6 +74,7 @@ __all__ = [
     "StreamToken",
     "Submission",
     "SyncEndpoint",
+    "TokenCallback",
     "TokenSink",
     "TokenStream",
     "new_request_id",

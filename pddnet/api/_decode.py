@@ -36,7 +36,6 @@ import numpy as np
 import trio
 
 from .._errors import (
-    LocalProtocolError,
     PddnetError,
     PeerUnavailable,
     RemoteProtocolError,
@@ -49,9 +48,9 @@ from ..control import ControlNode, TcpTuning
 from ..handoff import (
     AbortReason,
     ControlLink,
-    FinishReason,
     HandoffHub,
     HandoffParams,
+    HandoffRequest,
     MainDriver,
     RelayDriver,
     RelayState,
@@ -131,8 +130,6 @@ class _Request:
     landed: trio.Event = field(default_factory=trio.Event)
     keep: bool = False  # strange traffic, but the transfer goes on to feed the cache
     delivered_final: bool = False  # the sink got this request's last token from us
-    next_pos: int = 0
-    finish_pos: int = -1
     emitted: int = 0
     reported_at: int = -1  # (MD) the user position of the last takeover report acted on
 
@@ -171,7 +168,6 @@ class _DecodeEndpoint(ABC):
         params: HandoffParams | None = None,
         lease_s: float = 10.0,
         receiver: Receiver | None = None,
-        step_time_s: float = 0.0,
         watch_interval_s: float = 2.0,
         max_requests: int = 4096,
         wan_tls: TlsConfig | None = None,
@@ -186,7 +182,6 @@ class _DecodeEndpoint(ABC):
         self.engine = engine
         self.params = params or HandoffParams()
         self.lease_s = lease_s
-        self.step_time_s = step_time_s
         self.watch_interval_s = watch_interval_s
         self.max_requests = max_requests
         self.sink_timeout_s = 2.0
@@ -387,7 +382,6 @@ class _DecodeEndpoint(ABC):
                 nursery.cancel_scope.cancel()
         if error is not None:
             raise error
-        self.engine.start(req.rid, req.prompt.tolist(), req.table, req.first_token)
         req.landed.set()
 
     @abstractmethod
@@ -401,7 +395,6 @@ class _DecodeEndpoint(ABC):
         self._reqs.pop(req.rid, None)
         self._end_stream(req.rid, SourceState.DONE)
         self.hub.detach(req.rid)
-        self.engine.finish(req.rid)
         self._free(req)
         if error is None:
             self._stats["finished"] += 1
@@ -525,38 +518,15 @@ class _DecodeEndpoint(ABC):
             await self.hub.watch(peer, interval_s=self.watch_interval_s)
 
     # ---------------------------------------------------- driver interfaces
-    # (the handoff driver's DecodeEngine and Link protocols, per request)
-    async def decode_step(self, request_id: int) -> tuple[int, FinishReason | None]:
-        req = self._reqs[request_id]
-        if self.step_time_s:
-            await trio.sleep(self.step_time_s)  # emulate a real model's step time
-        else:
-            await trio.lowlevel.checkpoint()
-        tok = self.engine.decode_step(request_id)
-        pos = req.next_pos
-        req.next_pos += 1
-        finish: FinishReason | None = None
-        if self.engine.eos_token_id is not None and tok == self.engine.eos_token_id:
-            finish = FinishReason.EOS
-        elif pos + 1 >= req.max_tokens:
-            finish = FinishReason.MAX_TOKENS
-        if finish is not None:
-            req.finish_pos = pos
-        return tok, finish
+    # (the handoff driver's TokenOut and Link hooks, per request)
+    def _handoff_request(self, req: _Request) -> HandoffRequest:
+        return HandoffRequest(
+            req.rid, tuple(req.prompt.tolist()), tuple(req.table), req.max_tokens, req.first_token
+        )
 
-    async def extend(self, request_id: int, start: int, tokens: Sequence[int]) -> None:
+    async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
         req = self._reqs[request_id]
-        await trio.lowlevel.checkpoint()
-        if req.next_pos != start:
-            raise LocalProtocolError(
-                f"extend at {start}, the request holds {req.next_pos} tokens", request_id=request_id
-            )
-        self.engine.extend(request_id, tokens)
-        req.next_pos = start + len(tokens)
-
-    async def emit(self, request_id: int, position: int, token: int) -> None:
-        req = self._reqs[request_id]
-        msg = Emitted(request_id, position, token, self.name, position == req.finish_pos)
+        msg = Emitted(request_id, position, token, self.name, final)
         kept = self._emitted.get(request_id)
         if kept is not None:  # kept first: a re-send can deliver a token whose send failed
             if kept.first < 0:
@@ -602,8 +572,6 @@ class RelayEndpoint(_DecodeEndpoint):
         data_host: address the data-plane receiver listens on.
         params: handoff tuning.
         lease_s: lease renewal period is a third of this.
-        step_time_s: sleep this long before each decode step, to emulate a
-            real model's speed with a small one (demo, benchmarks); 0 in production.
         watch_interval_s: ping the other decoder this often; three missed
             pings declare it failed to every running handoff (0: don't watch).
         max_requests: requests in progress (pending handoffs) at most; a
@@ -665,7 +633,10 @@ class RelayEndpoint(_DecodeEndpoint):
             await self._finish(req, exc)
             return
         driver = self._start_driver(
-            req, RelayDriver(self, self._link(req.main), req.rid, req.params)
+            req,
+            RelayDriver(
+                self.engine, self._link(req.main), self, self._handoff_request(req), req.params
+            ),
         )
         result = await driver.run()
         await self._finish(req, result.error)
@@ -866,7 +837,14 @@ class MainEndpoint(_DecodeEndpoint):
     async def _serve(self, req: _Request) -> None:
         driver = self._start_driver(
             req,
-            MainDriver(self, self._link(req.relay), req.rid, req.params, relayed=bool(req.relay)),
+            MainDriver(
+                self.engine,
+                self._link(req.relay),
+                self,
+                self._handoff_request(req),
+                req.params,
+                relayed=bool(req.relay),
+            ),
         )
         async with trio.open_nursery() as nursery:
 

@@ -1,95 +1,88 @@
-"""The hooks a decode engine gives pddnet, and the reference model behind them.
+"""The engine contract pddnet drives, and the reference engine behind it.
 
-pddnet never runs a model itself: it calls the engine's hooks. A decode
-instance (RLD or MD) implements :class:`DecodeEngine`; pddnet decides when to
-decode, hand over, recompute and stop. :class:`ReferenceEngine` implements the
-hooks with :class:`~pddnet.recompute.ReferenceModel` and is the worked
-example of docs/embedding.md.
+pddnet never runs a model itself. A decode instance (RLD or MD) implements
+:class:`DecodeEngine`: pddnet hands it a request to continue
+(:class:`DecodeRequest`: the tokens so far and the blocks holding their KV),
+consumes the tokens it produces, and stops it when the handoff says so.
+:class:`ReferenceEngine` implements the contract with
+:class:`~pddnet.recompute.ReferenceModel`, stepping every running request
+together, and is the worked example of docs/embedding.md.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import trio
 
-from .._errors import LocalProtocolError
+from .._errors import LocalProtocolError, PddnetError
+from ..handoff import FinishReason
+from ..handoff._engine import DecodeEngine, DecodeRequest, TokenCallback
 from ..recompute import PagedSequence, ReferenceModel, greedy
 
-__all__ = ["DecodeEngine", "ReferenceEngine"]
+__all__ = ["DecodeEngine", "DecodeRequest", "ReferenceEngine", "TokenCallback"]
+
+K_TICK_LOG = 1024  # batches the reference engine remembers (ReferenceEngine.tick_log)
 
 
-class DecodeEngine(Protocol):
-    """What a decode instance (RLD or MD) provides. Calls come from pddnet's
-    event loop and should return quickly (one decode step is fine).
+@dataclass(eq=False)
+class _Run:
+    """One request in the reference engine's batch."""
 
-    Block ids index the :class:`~pddnet.KVPool` the endpoint was given.
-    """
-
-    eos_token_id: int | None
-
-    def allocate(self, num_blocks: int) -> Sequence[int]:
-        """Reserve ``num_blocks`` free KV blocks.
-
-        Raises:
-            ResourceLimitError: if the pool has too few free blocks.
-        """
-        ...
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Return blocks to the engine's free list."""
-        ...
-
-    def free_blocks(self) -> int:
-        """How many blocks :meth:`allocate` could hand out now. MD evicts
-        exactly the shortfall from its radix cache before allocating."""
-        ...
-
-    def start(
-        self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
-    ) -> None:
-        """The prompt's KV now fills ``block_table``; the first :meth:`decode_step`
-        must return ``first_token`` (the token P's prefill produced)."""
-        ...
-
-    def decode_step(self, request_id: int) -> int:
-        """Feed the last token and return the next one (greedy or sampled)."""
-        ...
-
-    def extend(self, request_id: int, tokens: Sequence[int]) -> None:
-        """(MD) Compute the KV of ``tokens`` after what the request holds, in one
-        pass; the next :meth:`decode_step` returns the token that follows them."""
-        ...
-
-    def finish(self, request_id: int) -> None:
-        """Drop the request's state; pddnet frees its blocks itself."""
-        ...
-
-
-@dataclass
-class _Seq:
+    request: DecodeRequest
+    on_token: TokenCallback
     seq: PagedSequence
-    ready: int | None  # the next token, already known (P's first token, or after an extend)
-    last: int = -1  # the last token returned, fed on the next step
+    feed: list[int]  # tokens whose KV the next step computes (then the last token only)
+    produced: int = 0
+    stopped: bool = False
+    done: bool = False
+    in_tick: bool = False
+    error: PddnetError | None = None
+    next_token: int = field(default=-1)
 
 
 class ReferenceEngine:
     """:class:`DecodeEngine` over the reference model (greedy decoding).
 
+    Every running request steps in one batch tick: one forward pass each
+    (the first one an extend over the tokens without KV), run off the event
+    loop on a worker thread, so a long tick never stalls pddnet's control
+    traffic. The run that finds no tick in progress runs the next one; the
+    others wait for it.
+
     Args:
         model: the model; its pool is the endpoint's pool.
         eos_token_id: token that ends a request, or None.
+        step_time_s: sleep this long before each tick, to emulate a real
+            model's speed with a small one (demo, benchmarks); 0 in production.
+        worker_thread: run each tick on a worker thread (False: on the event
+            loop, for tests under a virtual clock, which jumps ahead while a
+            thread computes).
     """
 
-    def __init__(self, model: ReferenceModel, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        model: ReferenceModel,
+        eos_token_id: int | None = None,
+        *,
+        step_time_s: float = 0.0,
+        worker_thread: bool = True,
+    ) -> None:
         if model.allocator is None:
             raise LocalProtocolError("the reference engine needs a model with a block allocator")
         self.model = model
         self.allocator = model.allocator
         self.eos_token_id = eos_token_id
-        self._reqs: dict[int, _Seq] = {}
+        self.step_time_s = step_time_s
+        self.worker_thread = worker_thread
+        self.tick_log: collections.deque[tuple[int, ...]] = collections.deque(maxlen=K_TICK_LOG)
+        self._runs: dict[int, _Run] = {}
+        self._ticking = False
+        self._tick_over: trio.Event | None = None
 
     @property
     def pool(self) -> Any:
@@ -104,30 +97,90 @@ class ReferenceEngine:
     def free_blocks(self) -> int:
         return int(self.allocator.free_blocks)
 
-    def start(
-        self, request_id: int, prompt: Sequence[int], block_table: Sequence[int], first_token: int
-    ) -> None:
-        table = np.asarray(block_table, dtype=np.int32)
-        self._reqs[request_id] = _Seq(PagedSequence(table, len(prompt)), first_token)
+    async def run(self, request: DecodeRequest, on_token: TokenCallback) -> None:
+        """See :meth:`DecodeEngine.run`.
 
-    def _get(self, request_id: int) -> _Seq:
+        Raises:
+            LocalProtocolError: the request is already running, holds no token
+                without KV, asks for no tokens, or its blocks cannot hold them.
+        """
+        rid, toks = request.request_id, request.tokens
+        if rid in self._runs:
+            raise LocalProtocolError("the request is already running", request_id=rid)
+        if not 0 <= request.kv_tokens < len(toks) or request.max_new_tokens < 1:
+            raise LocalProtocolError(
+                f"continue {len(toks)} tokens with KV for {request.kv_tokens},"
+                f" {request.max_new_tokens} new",
+                request_id=rid,
+            )
+        seq = PagedSequence(np.asarray(request.block_table, np.int32), request.kv_tokens)
+        if seq.capacity(self.model.block_size) < len(toks) + request.max_new_tokens - 1:
+            raise LocalProtocolError("the block table cannot hold the request", request_id=rid)
+        run = _Run(request, on_token, seq, list(toks[request.kv_tokens :]))
+        self._runs[rid] = run
         try:
-            return self._reqs[request_id]
-        except KeyError:
-            raise LocalProtocolError("unknown request", request_id=request_id) from None
+            while not (run.done or run.stopped):
+                if self._ticking and self._tick_over is not None:
+                    await self._tick_over.wait()
+                else:
+                    await self._tick()
+        finally:
+            if run.in_tick and self._tick_over is not None:
+                # cancelled while a worker writes this request's KV: wait for it
+                with trio.CancelScope(shield=True):
+                    await self._tick_over.wait()
+            del self._runs[rid]
+        if run.error is not None:
+            raise run.error
 
-    def decode_step(self, request_id: int) -> int:
-        st = self._get(request_id)
-        if st.ready is not None:
-            tok, st.ready = st.ready, None
-        else:
-            tok = greedy(self.model.decode_step(st.seq, st.last))
-        st.last = tok
-        return tok
+    def stop(self, request_id: int) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            run.stopped = True
 
-    def extend(self, request_id: int, tokens: Sequence[int]) -> None:
-        st = self._get(request_id)
-        st.ready = greedy(self.model.extend(st.seq, list(tokens)))
+    async def _tick(self) -> None:
+        self._ticking, self._tick_over = True, trio.Event()
+        batch: list[_Run] = []
+        try:
+            if self.step_time_s:
+                await trio.sleep(self.step_time_s)  # emulate a real model's step time
+            else:
+                await trio.lowlevel.checkpoint()
+            batch = [r for r in self._runs.values() if not (r.done or r.stopped)]
+            for r in batch:
+                r.in_tick = True
+            self.tick_log.append(tuple(r.request.request_id for r in batch))
+            if self.worker_thread:
+                await trio.to_thread.run_sync(self._step_batch, batch)
+            else:
+                self._step_batch(batch)
+        finally:
+            for r in batch:
+                r.in_tick = False
+            self._ticking = False
+            self._tick_over.set()
+        for r in batch:
+            if r.error is not None:
+                r.done = True
+            elif not r.stopped:
+                self._deliver(r)
 
-    def finish(self, request_id: int) -> None:
-        self._reqs.pop(request_id, None)
+    def _step_batch(self, batch: list[_Run]) -> None:
+        """(worker thread) one forward pass per request of the batch."""
+        for r in batch:
+            try:
+                r.next_token = greedy(self.model.extend(r.seq, r.feed))
+            except PddnetError as exc:
+                r.error = exc
+
+    def _deliver(self, r: _Run) -> None:
+        tok = r.next_token
+        r.produced += 1
+        r.feed = [tok]
+        finish: FinishReason | None = None
+        if self.eos_token_id is not None and tok == self.eos_token_id:
+            finish = FinishReason.EOS
+        elif r.produced >= r.request.max_new_tokens:
+            finish = FinishReason.MAX_TOKENS
+        r.done = finish is not None
+        r.on_token(tok, finish)

@@ -72,11 +72,10 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     async with cls(
         role,
         model.pool,
-        ReferenceEngine(model),
+        ReferenceEngine(model, step_time_s=cfg["step_time_s"]),
         engine_id=role,
         control_bind=cfg["control"][role],
         data_host=cfg["hosts"][role],
-        step_time_s=cfg["step_time_s"],
         params=params,
         lease_s=cfg["lease_s"],
     ) as ep:

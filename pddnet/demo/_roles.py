@@ -63,11 +63,10 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     async with cls(
         role,
         model.pool,
-        ReferenceEngine(model),
+        ReferenceEngine(model, step_time_s=cfg["step_time_s"]),
         engine_id=role,
         control_bind=cfg["control"],
         data_host=cfg["data_host"],
-        step_time_s=cfg["step_time_s"],
         params=params,
         receiver=receiver,
         **extra,

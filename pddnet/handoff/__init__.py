@@ -4,13 +4,15 @@ Sans-IO machines for both sides (:class:`RelayHandoff`, :class:`MainHandoff`),
 written as transition tables (``RELAY_TABLE``, ``MAIN_TABLE``), their events,
 outputs and messages, per-request metrics, renderers that turn the tables
 into the diagram in docs/handoff.md, and trio drivers (:class:`RelayDriver`,
-:class:`MainDriver`) that connect the machines to engine hooks and, through
+:class:`MainDriver`) that connect the machines to a :class:`DecodeEngine`
+(the one engine contract: continue a request, consume its tokens, stop it) and, through
 :class:`HandoffHub`, to the control plane. The theory of operation is the docstring
 of ``pddnet/handoff/_state.py``.
 """
 
 from ._diagram import render_markdown, render_mermaid
-from ._driver import DecodeEngine, ExtendEngine, HandoffDriver, Link, MainDriver, RelayDriver
+from ._driver import HandoffDriver, HandoffRequest, Link, MainDriver, RelayDriver, TokenOut
+from ._engine import DecodeEngine, DecodeRequest, TokenCallback
 from ._events import (
     AbortReason,
     BatchAcked,
@@ -48,7 +50,7 @@ from ._messages import (
 from ._metrics import RequestMetrics, combine_metrics
 from ._params import Fallback, HandoffMode, HandoffParams
 from ._relay import RelayHandoff, RelayStats
-from ._standin import StandInEngine, greedy_reference
+from ._standin import StandInEngine, greedy_reference, standin_request
 from ._state import MAIN_TABLE, RELAY_TABLE, MainState, RelayState
 
 __all__ = [
@@ -62,10 +64,10 @@ __all__ = [
     "CancelTransfer",
     "ControlLink",
     "DecodeEngine",
+    "DecodeRequest",
     "Done",
     "Emit",
     "Event",
-    "ExtendEngine",
     "Fallback",
     "FinishReason",
     "FreeBlocks",
@@ -75,6 +77,7 @@ __all__ = [
     "HandoffHub",
     "HandoffMachine",
     "HandoffMode",
+    "HandoffRequest",
     "HandoffParams",
     "KvLanded",
     "KvReady",
@@ -98,12 +101,15 @@ __all__ = [
     "StartRecompute",
     "TakeOver",
     "Timer",
+    "TokenCallback",
     "TokenBatch",
     "TokenGenerated",
+    "TokenOut",
     "combine_metrics",
     "event_for_message",
     "greedy_reference",
     "render_markdown",
     "render_mermaid",
     "request_id_of",
+    "standin_request",
 ]

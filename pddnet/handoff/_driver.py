@@ -1,31 +1,39 @@
 """Trio drivers: connect the handoff machines to an engine and a message link.
 
 A driver owns one machine for one request. One task feeds it events, in
-order, from a single inbox (messages from the peer, engine results, KV
-landing, failure reports) and acts on its outputs; engine calls (a decode
-step, an extend) run as separate tasks that post their results to the same
-inbox, so the machine never sees two events at once and never waits on the
-engine. Between events the driver sleeps until ``machine.get_timer()`` and
-then feeds :class:`Timer`, so every wait inherits the machine's deadlines.
+order, from a single inbox (messages from the peer, the engine's tokens, KV
+landing, failure reports) and acts on its outputs, so the machine never sees
+two events at once and never waits on the engine. Between events the driver
+sleeps until ``machine.get_timer()`` and then feeds :class:`Timer`, so every
+wait inherits the machine's deadlines.
 
-A decode step may finish after the machine stopped accepting tokens (RLD
-sent its final batch while the step ran). The driver holds that token instead
-of dropping it: should RLD resume (MD refused or died before emitting), the
-held token is the one at the resume position and is fed first, so the engine
-never has to rewind.
+The engine is reached only through :class:`~pddnet.handoff.DecodeEngine`: the
+driver asks it to continue the request (the tokens so far, the blocks with
+their KV) and consumes its tokens from the inbox; the engine steps when it
+likes, batched with its other requests. Tokens that arrive while the machine
+may not emit (RLD sent its final batch; MD finished a catch-up round but does
+not own the request yet) are kept, in order, and the engine is stopped: should
+the machine decode again (MD refused and RLD resumes; MD takes over), the kept
+tokens are fed first and the engine continues after them. MD's recompute of a
+batch of RLD's tokens is a continue of prompt + those tokens with the KV it
+already holds; the first token that run produces completes the round
+(:class:`RecomputeDone`) and is the one at the round's end position. A later
+round restarts the request with a longer prefix.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
-from .._errors import PddnetError, RemoteProtocolError
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
 from ..wire import Message
+from ._engine import DecodeEngine, DecodeRequest
 from ._events import (
     AbortReason,
     Cancel,
@@ -51,7 +59,7 @@ from ._messages import event_for_message
 from ._params import HandoffParams
 from ._relay import RelayHandoff
 
-__all__ = ["DecodeEngine", "ExtendEngine", "HandoffDriver", "Link", "MainDriver", "RelayDriver"]
+__all__ = ["HandoffDriver", "HandoffRequest", "Link", "MainDriver", "RelayDriver", "TokenOut"]
 
 log = logging.getLogger("pddnet.handoff")
 # Peer messages queued for one request at most; a well-behaved peer has a
@@ -59,24 +67,49 @@ log = logging.getLogger("pddnet.handoff")
 K_MAX_PEER_BACKLOG = 256
 
 
-class DecodeEngine(Protocol):
-    """The engine hooks a decode instance offers (RLD and MD)."""
+@dataclass(frozen=True, slots=True)
+class HandoffRequest:
+    """The request a driver runs on its engine.
 
-    async def decode_step(self, request_id: int) -> tuple[int, FinishReason | None]:
-        """Run one decode step; return the token and, if it ends the request, why."""
+    Attributes:
+        request_id: the request.
+        prompt: the prompt's token ids.
+        block_table: the request's KV blocks (the prompt's KV lands in the first ones).
+        max_tokens: the user's stream holds at most this many tokens.
+        first_token: the token P's prefill produced (position 0), where this
+            side knows it (RLD; MD on the P->MD route). MD behind RLD gets it
+            in RLD's first batch.
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    block_table: tuple[int, ...]
+    max_tokens: int
+    first_token: int | None = None
+
+
+class TokenOut(Protocol):
+    """Where the user's tokens go (the endpoint's sink connection)."""
+
+    async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
+        """Deliver ``token`` at ``position`` of the user's stream (``final``: the last one)."""
         ...
 
-    async def emit(self, request_id: int, position: int, token: int) -> None:
-        """Deliver ``token`` at ``position`` of the user's stream."""
-        ...
+
+@dataclass(frozen=True, slots=True)
+class _EngineToken(Event):
+    """(driver-internal) the engine's run number ``run`` produced a token."""
+
+    run: int
+    token: int
+    finish: FinishReason | None
 
 
-class ExtendEngine(DecodeEngine, Protocol):
-    """MD's extra hook: recompute the KV of eager tokens in one pass."""
+@dataclass(frozen=True, slots=True)
+class _EngineEnded(Event):
+    """(driver-internal) the engine's run number ``run`` returned."""
 
-    async def extend(self, request_id: int, start: int, tokens: Sequence[int]) -> None:
-        """Compute KV for ``tokens`` at positions ``start..``; keep the last logits."""
-        ...
+    run: int
 
 
 class Link(Protocol):
@@ -100,18 +133,35 @@ class HandoffDriver:
 
     machine: HandoffMachine
 
-    def __init__(self, engine: DecodeEngine, link: Link, request_id: int) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        link: Link,
+        out: TokenOut,
+        request: HandoffRequest,
+        params: HandoffParams,
+    ) -> None:
         self.engine = engine
         self.link = link
-        self.request_id = request_id
+        self.out = out
+        self.request = request
+        self.request_id = request.request_id
+        self.params = params
         self._send_in, self._inbox = trio.open_memory_channel[Event](math.inf)
         self._from_peer: set[int] = set()  # ids of queued events that came from the peer
         self.dropped = 0  # peer messages dropped because too many were queued
-        self._stepping = False
-        self._held: TokenGenerated | None = None
-        self._extending: trio.Event | None = None
         self._sending: trio.CancelScope | None = None  # around a send to the peer in progress
         self.result: Done | None = None
+        # the user's stream as this side knows it (position = index): emitted,
+        # kept for later, or (MD) RLD's tokens being recomputed
+        self._stream: list[int] = []
+        self._kept: collections.deque[TokenGenerated] = collections.deque()  # not yet fed
+        self._finish_at: int | None = None  # the position whose token ends the request
+        self._kv = len(request.prompt)  # leading tokens (prompt + stream) with KV in the blocks
+        self._run = 0  # the engine run whose tokens count; earlier runs' are stale
+        self._engine_on = False  # a run is wanted (started and neither stopped nor finished)
+        self._run_ended: trio.Event | None = None  # set when the latest run task returned
+        self._round_end: int | None = None  # (MD) the recompute round awaiting its first token
 
     # ----------------------------------------------------- inputs, thread-free
     def deliver(self, message: Message) -> None:
@@ -166,17 +216,19 @@ class HandoffDriver:
             The machine's final :class:`Done` output (``error`` set on failure).
 
         Raises:
-            LocalProtocolError: if the machine rejects an event (a bug in the
-                engine hooks). A misbehaving peer (RemoteProtocolError) fails
-                the request instead: ``Done(ERROR, error)``, blocks freed.
+            LocalProtocolError: if the machine rejects an event, or the engine
+                breaks its contract (a bug in the engine). A misbehaving peer
+                (RemoteProtocolError) fails the request instead:
+                ``Done(ERROR, error)``, blocks freed.
 
-        Cancellation: engine tasks still running are cancelled; the machine is
-        left in its current state and nothing is freed. Feed :meth:`cancel`
-        and let ``run`` return instead, to release resources cleanly.
+        Cancellation: the engine's run is cancelled (it returns once the engine
+        no longer touches the request's blocks); the machine is left in its
+        current state and nothing is freed. Feed :meth:`cancel` and let ``run``
+        return instead, to release resources cleanly.
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._maybe_step()
+            await self._drain()
             while self.result is None:
                 deadline = self.machine.get_timer()
                 ev: Event = Timer()
@@ -191,33 +243,127 @@ class HandoffDriver:
                     await trio.lowlevel.checkpoint()
                 self._from_peer.discard(id(ev))
                 await self._feed(ev)
+            self._stop_engine()
             nursery.cancel_scope.cancel()
         return self.result
 
     async def _feed(self, ev: Event) -> None:
-        if isinstance(ev, TokenGenerated):
-            self._stepping = False
-            if not self.machine.may_decode:
-                self._held = ev  # generated during a switch; replayed on resume
+        if isinstance(ev, _EngineEnded):
+            if ev.run == self._run and self._engine_on:
+                raise LocalProtocolError(
+                    "the engine ended the request without a finish reason",
+                    request_id=self.request_id,
+                )
+            return
+        if isinstance(ev, _EngineToken):
+            if ev.run != self._run or not self._engine_on:
+                return  # from a run we stopped
+            self._keep(ev.token, ev.finish)
+            if self._round_end is None:
+                await self._drain()
                 return
+            ev, self._round_end = RecomputeDone(self._round_end), None
+        await self._handle(ev)
+        await self._drain()
+
+    async def _handle(self, ev: Event) -> None:
         try:
             outs = self.machine.handle(ev, trio.current_time())
         except RemoteProtocolError as exc:
             # The peer broke the protocol: fail this request, keep the process.
             log.warning("request %s: %s", self.request_id, exc)
-            outs = [FreeBlocks()] if self._owns_blocks_unowned() else []
+            outs = [FreeBlocks()] if self._holds_unowned_blocks() else []
             outs.append(Done(self.machine.state, exc))
         await self._act(outs)
-        if self._held is not None and self.machine.may_decode and not self.machine.done:
-            held, self._held = self._held, None
-            await self._feed(held)
-            return
-        self._maybe_step()
+
+    async def _drain(self) -> None:
+        """Feed the kept tokens while the machine may emit, and steer the engine."""
+        while True:
+            while self._kept and self.result is None and self.machine.may_decode:
+                await self._handle(self._kept.popleft())
+            self._steer()
+            if not (self._kept and self.result is None and self.machine.may_decode):
+                return
+
+    def _keep(self, token: int, finish: FinishReason | None) -> None:
+        """A new token at the stream's end (from the engine, or P's first token)."""
+        position = len(self._stream)
+        if position:  # the engine produced it: every token before it has KV now
+            self._kv = len(self.request.prompt) + position
+        self._stream.append(token)
+        if finish is not None:
+            self._finish_at = position
+            self._engine_on = False  # the engine's run ends with this token
+        self._kept.append(TokenGenerated(token, finish))
+
+    def _steer(self) -> None:
+        """Run the engine exactly while the machine may decode (or MD recomputes)."""
+        if self.result is not None or self.machine.done:
+            self._stop_engine()
+        elif self.machine.may_decode:
+            if not self._engine_on and self._finish_at is None and not self._kept:
+                if not self._stream:
+                    self._seed_first_token()
+                if self._finish_at is None:
+                    self._start_engine()
+        elif self._round_end is None:
+            self._stop_engine()
+
+    def _seed_first_token(self) -> None:
+        first = self.request.first_token
+        if first is None:
+            raise LocalProtocolError(
+                "decoding from position 0 needs P's first token", request_id=self.request_id
+            )
+        eos = self.engine.eos_token_id
+        finish: FinishReason | None = None
+        if eos is not None and first == eos:
+            finish = FinishReason.EOS
+        elif self.request.max_tokens <= 1:
+            finish = FinishReason.MAX_TOKENS
+        self._keep(first, finish)
+
+    def _start_engine(self) -> None:
+        req = self.request
+        self._run += 1
+        run, prev = self._run, self._run_ended
+        self._run_ended = ended = trio.Event()
+        self._engine_on = True
+        continued = DecodeRequest(
+            req.request_id,
+            (*req.prompt, *self._stream),
+            self._kv,
+            req.block_table,
+            req.max_tokens - len(self._stream),
+        )
+        self._nursery.start_soon(self._run_engine, run, continued, prev, ended)
+
+    async def _run_engine(
+        self, run: int, request: DecodeRequest, prev: trio.Event | None, ended: trio.Event
+    ) -> None:
+        def on_token(token: int, finish: FinishReason | None) -> None:
+            self._send_in.send_nowait(_EngineToken(run, token, finish))
+
+        try:
+            if prev is not None:
+                await prev.wait()  # one run per request at a time
+            if run == self._run:  # not stopped while it waited
+                await self.engine.run(request, on_token)
+        finally:
+            ended.set()
+        self._send_in.send_nowait(_EngineEnded(run))
+
+    def _stop_engine(self) -> None:
+        if self._engine_on:
+            self._engine_on = False
+            self._run += 1
+            self.engine.stop(self.request_id)
 
     async def _act(self, outs: list[Output]) -> None:
         for o in outs:
             if isinstance(o, Emit):
-                await self.engine.emit(self.request_id, o.position, o.token)
+                final = o.position == self._finish_at
+                await self.out.emit(self.request_id, o.position, o.token, final)
             elif isinstance(o, SendMessage):
                 with trio.CancelScope() as self._sending:
                     try:
@@ -232,95 +378,97 @@ class HandoffDriver:
             elif isinstance(o, CancelTransfer):
                 await self.link.cancel_transfer(self.request_id, o.reason)
             elif isinstance(o, FreeBlocks):
-                if self._extending is not None:
-                    # Never free blocks an extend is still writing into.
-                    with trio.move_on_after(self._free_wait_s()):
-                        await self._extending.wait()
+                self._stop_engine()
+                if self._run_ended is not None:
+                    # Never free blocks the engine still writes into.
+                    with trio.move_on_after(self.params.recompute_timeout_s):
+                        await self._run_ended.wait()
                 await self.link.free_blocks(self.request_id)
             elif isinstance(o, StartRecompute):
-                self._nursery.start_soon(self._extend, o.start, o.tokens)
+                self._recompute(o.start, o.tokens)
             elif isinstance(o, TakeOver):
-                pass  # may_decode turns true; _maybe_step starts decoding
+                pass  # may_decode turns true; _steer continues the engine
             elif isinstance(o, Done):
                 self.result = o
 
-    def _maybe_step(self) -> None:
-        if (
-            self.result is None
-            and not self._stepping
-            and self._held is None
-            and self.machine.may_decode
-        ):
-            self._stepping = True
-            self._nursery.start_soon(self._step)
+    def _recompute(self, start: int, tokens: tuple[int, ...]) -> None:
+        """(MD) continue prompt + RLD's tokens up to ``start + len(tokens)``."""
+        self._stop_engine()
+        if start > len(self._stream):
+            raise LocalProtocolError(
+                f"recompute at {start}, the stream holds {len(self._stream)} tokens",
+                request_id=self.request_id,
+            )
+        self._kept.clear()  # a previous round's look-ahead: RLD's tokens replace it
+        del self._stream[start:]
+        self._finish_at = None
+        self._kv = min(self._kv, len(self.request.prompt) + start)
+        self._stream.extend(tokens)
+        self._round_end = start + len(tokens)
+        self._start_engine()
 
-    async def _step(self) -> None:
-        token, finish = await self.engine.decode_step(self.request_id)
-        self._send_in.send_nowait(TokenGenerated(token, finish))
-
-    async def _extend(self, start: int, tokens: tuple[int, ...]) -> None:
-        engine = self.engine
-        assert hasattr(engine, "extend")
-        self._extending = done = trio.Event()
-        try:
-            await engine.extend(self.request_id, start, tokens)
-        finally:
-            done.set()
-            self._extending = None
-        self._send_in.send_nowait(RecomputeDone(start + len(tokens)))
-
-    def _owns_blocks_unowned(self) -> bool:
-        """MD holds blocks for a request it never took over."""
-        m = self.machine
-        return isinstance(m, MainHandoff) and m.position is None
-
-    def _free_wait_s(self) -> float:
-        params = getattr(self.machine, "params", None)
-        return params.recompute_timeout_s if params is not None else 5.0
+    def _holds_unowned_blocks(self) -> bool:
+        """MD holds blocks for a request it never took over (RLD holds none for MD)."""
+        return False
 
 
 class RelayDriver(HandoffDriver):
     """Drives the RLD side of one request.
 
     Args:
-        engine: RLD's decode and emit hooks.
+        engine: RLD's engine.
         link: sends to MD; cancels the WAN transfer.
-        request_id: the request.
+        out: where the user's tokens go.
+        request: the request (with P's first token).
         params: handoff tuning.
     """
 
     def __init__(
-        self, engine: DecodeEngine, link: Link, request_id: int, params: HandoffParams | None = None
+        self,
+        engine: DecodeEngine,
+        link: Link,
+        out: TokenOut,
+        request: HandoffRequest,
+        params: HandoffParams | None = None,
     ) -> None:
-        super().__init__(engine, link, request_id)
-        self.machine: RelayHandoff = RelayHandoff(request_id, params, now=trio.current_time())
+        params = params or HandoffParams()
+        super().__init__(engine, link, out, request, params)
+        self.machine: RelayHandoff = RelayHandoff(
+            request.request_id, params, now=trio.current_time()
+        )
 
 
 class MainDriver(HandoffDriver):
     """Drives the MD side of one request.
 
     Args:
-        engine: MD's extend, decode and emit hooks.
+        engine: MD's engine.
         link: sends to RLD; cancels the WAN transfer; frees blocks.
-        request_id: the request.
+        out: where the user's tokens go.
+        request: the request (P's first token is needed on the P->MD route only).
         params: handoff tuning.
         relayed: False on the P->MD route (no RLD).
     """
 
     def __init__(
         self,
-        engine: ExtendEngine,
+        engine: DecodeEngine,
         link: Link,
-        request_id: int,
+        out: TokenOut,
+        request: HandoffRequest,
         params: HandoffParams | None = None,
         *,
         relayed: bool = True,
     ) -> None:
-        super().__init__(engine, link, request_id)
+        params = params or HandoffParams()
+        super().__init__(engine, link, out, request, params)
         self.machine: MainHandoff = MainHandoff(
-            request_id, params, now=trio.current_time(), relayed=relayed
+            request.request_id, params, now=trio.current_time(), relayed=relayed
         )
 
     def kv_landed(self) -> None:
         """The WAN transfer of the prompt KV completed (never blocks)."""
         self._send_in.send_nowait(KvLanded())
+
+    def _holds_unowned_blocks(self) -> bool:
+        return self.machine.position is None

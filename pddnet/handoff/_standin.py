@@ -5,7 +5,7 @@ before it (a running BLAKE2b state per position): any two instances agree on
 the sequence, an instance that skipped or repeated a token diverges at once,
 and ``extend`` must be fed exactly the tokens a single instance would have
 produced for the continuation to match. Use it until the reference model is
-available; swap in real ``decode_step`` / ``extend`` hooks later.
+available; swap in a real engine later.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import trio
 
 from .._errors import LocalProtocolError
 from ..wire import Message
+from ._driver import HandoffRequest
+from ._engine import DecodeRequest, TokenCallback
 from ._events import AbortReason, FinishReason
 from ._metrics import RequestMetrics
 from ._params import HandoffParams
 
-__all__ = ["StandInEngine", "greedy_reference", "simulate_pair"]
+__all__ = ["StandInEngine", "greedy_reference", "simulate_pair", "standin_request"]
 
 K_VOCAB = 1 << 17  # a 128K vocabulary: 17-bit token ids
 
@@ -52,70 +54,103 @@ def greedy_reference(prompt_seed: int, n: int) -> list[int]:
 class StandInEngine:
     """One decode instance (RLD or MD) running the stand-in model.
 
+    Implements :class:`~pddnet.handoff.DecodeEngine` (without KV blocks: the
+    "KV" is the hash state, recomputed from the tokens), and records the
+    tokens a driver emits (a :class:`~pddnet.handoff.TokenOut`). A request's
+    ``tokens`` start with the prompt seed.
+
     Args:
         step_s: simulated time of one decode step.
         extend_rate: simulated recompute speed, tokens/s.
-        max_tokens: requests finish with MAX_TOKENS at this many tokens.
         on_emit: called with (request_id, position, token) for every emit.
     """
+
+    eos_token_id: int | None = None
 
     def __init__(
         self,
         *,
         step_s: float = 0.02,
         extend_rate: float = 5000.0,
-        max_tokens: int = 256,
         on_emit: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.step_s = step_s
         self.extend_rate = extend_rate
-        self.max_tokens = max_tokens
         self.on_emit = on_emit
-        self._state: dict[int, tuple[bytes, int]] = {}  # request -> (state, tokens in KV)
+        self._kv: dict[int, int] = {}  # request -> leading tokens whose "KV" it holds
+        self._own: dict[int, tuple[int, int]] = {}  # request -> (index, token) it generated last
+        self._stopped: set[int] = set()
         self.emitted: dict[int, list[tuple[int, int]]] = {}
         self.steps = 0
-        self.extended = 0
+        self.extended = 0  # tokens recomputed that this instance did not generate
 
     def start(self, request_id: int, prompt_seed: int) -> None:
         """The prompt's KV is in place (prefilled, or landed over the WAN)."""
-        self._state[request_id] = (_prompt_state(prompt_seed), 0)
+        del prompt_seed  # the seed is tokens[0] of every run
+        self._kv[request_id] = 1
 
-    def held(self, request_id: int) -> int:
-        """How many output tokens the engine holds KV for."""
-        return self._state[request_id][1]
+    def allocate(self, num_blocks: int) -> Sequence[int]:
+        return list(range(num_blocks))
 
-    async def decode_step(self, request_id: int) -> tuple[int, FinishReason | None]:
-        """Generate the next token greedily (and hold its KV)."""
-        await trio.sleep(self.step_s)
-        state, n = self._state[request_id]
-        tok = _token_of(state)
-        self._state[request_id] = (_next_state(state, tok), n + 1)
-        self.steps += 1
-        return tok, FinishReason.MAX_TOKENS if n + 1 >= self.max_tokens else None
+    def free(self, block_ids: Sequence[int]) -> None:
+        pass
 
-    async def extend(self, request_id: int, start: int, tokens: Sequence[int]) -> None:
-        """Recompute KV for ``tokens`` in one pass.
+    def free_blocks(self) -> int:
+        return 1 << 30
+
+    async def run(self, request: DecodeRequest, on_token: TokenCallback) -> None:
+        """Continue the request (see :meth:`DecodeEngine.run`).
 
         Raises:
-            LocalProtocolError: if ``start`` is not where the engine's KV ends.
+            LocalProtocolError: if ``kv_tokens`` claims KV this instance never computed.
         """
-        state, n = self._state[request_id]
-        if start != n:
+        rid, toks, kv = request.request_id, request.tokens, request.kv_tokens
+        if not 0 < kv < len(toks) or kv > self._kv.get(rid, 0):
             raise LocalProtocolError(
-                f"extend at {start}, but KV ends at {n}", request_id=request_id
+                f"continue {len(toks)} tokens with KV for {kv}, but it holds"
+                f" {self._kv.get(rid, 0)}",
+                request_id=rid,
             )
-        await trio.sleep(len(tokens) / self.extend_rate)
-        for tok in tokens:
-            state = _next_state(state, int(tok))
-        self._state[request_id] = (state, n + len(tokens))
-        self.extended += len(tokens)
+        self._stopped.discard(rid)
+        fresh = toks[kv:]
+        if len(fresh) == 1 and self._own.get(rid) == (kv, fresh[0]):
+            await trio.sleep(self.step_s)  # its own last token: one decode step
+        else:
+            self.extended += len(fresh)
+            await trio.sleep(len(fresh) / self.extend_rate)
+        state = _prompt_state(toks[0])
+        for tok in toks[1:]:
+            state = _next_state(state, tok)
+        n = len(toks)
+        for made in range(request.max_new_tokens):
+            if made:
+                await trio.sleep(self.step_s)
+            if rid in self._stopped:
+                return
+            tok = _token_of(state)
+            state = _next_state(state, tok)
+            self._kv[rid] = n
+            self._own[rid] = (n, tok)
+            n += 1
+            self.steps += 1
+            last = made + 1 == request.max_new_tokens
+            on_token(tok, FinishReason.MAX_TOKENS if last else None)
 
-    async def emit(self, request_id: int, position: int, token: int) -> None:
+    def stop(self, request_id: int) -> None:
+        self._stopped.add(request_id)
+
+    async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
         """Record the emit (and pass it on)."""
         await trio.lowlevel.checkpoint()
         self.emitted.setdefault(request_id, []).append((position, token))
         if self.on_emit is not None:
             self.on_emit(request_id, position, token)
+
+
+def standin_request(request_id: int, prompt_seed: int, max_tokens: int) -> HandoffRequest:
+    """A driver's request for the stand-in model (P's first token included)."""
+    first = greedy_reference(prompt_seed, 1)[0]
+    return HandoffRequest(request_id, (prompt_seed,), (), max_tokens, first)
 
 
 class _MemLink:
@@ -169,13 +204,14 @@ async def simulate_pair(
     from ._driver import MainDriver, RelayDriver
     from ._metrics import combine_metrics
 
-    rld_eng = StandInEngine(step_s=rld_step_s, max_tokens=max_tokens)
-    md_eng = StandInEngine(step_s=md_step_s, max_tokens=max_tokens, extend_rate=extend_rate)
+    rld_eng = StandInEngine(step_s=rld_step_s)
+    md_eng = StandInEngine(step_s=md_step_s, extend_rate=extend_rate)
     rld_eng.start(request_id, prompt_seed)
+    req = standin_request(request_id, prompt_seed, max_tokens)
     async with trio.open_nursery() as nursery:
         to_md, to_rld = _MemLink(nursery, rtt_s / 2), _MemLink(nursery, rtt_s / 2)
-        rld = RelayDriver(rld_eng, to_md, request_id, params)
-        md = MainDriver(md_eng, to_rld, request_id, params)
+        rld = RelayDriver(rld_eng, to_md, rld_eng, req, params)
+        md = MainDriver(md_eng, to_rld, md_eng, req, params)
         to_md.peer, to_rld.peer = md, rld
 
         async def wan() -> None:
