@@ -70,4 +70,4 @@ async def test_a_slow_resend_does_not_delay_other_messages() -> None:
             await p.node.request("md", StatsRequest(), timeout=15)
         # one re-send per request at a time: asking again starts no second one
         await user.request("md", StreamResend(1, 0), timeout=5)
-        assert len(md._resending) == 1
+        assert len(md.kept.resending) == 1

@@ -19,7 +19,6 @@ ends the request with an ``Abort`` to the sink, so no request is lost.
 
 from __future__ import annotations
 
-import array
 import collections
 import contextlib
 import dataclasses
@@ -63,6 +62,7 @@ from ..transport.wan import TlsConfig, WanLimits, WanReceiver
 from ..wire import Message, Pong, decode_tokens, encode_tokens
 from ._engine import DecodeEngine
 from ._info import EndpointInfo
+from ._kept import KeptTokens
 from ._messages import (
     Abort,
     CutOffWan,
@@ -87,10 +87,6 @@ K_MAX_PROMPT = 1 << 20
 # Control connections fail over fast: a lost single-packet message costs ~2 RTT
 # + 5 ms instead of 2 RTT + 200 ms (TCP_RTO_MIN_US / TCP_DELACK_MAX_US).
 K_CONTROL_TCP = TcpTuning.wan()
-# What a decoder keeps of each request's stream for the sink's re-send requests:
-# until the sink acknowledges it, and at most this long / this many after it ended.
-K_RETAIN_S = 30.0
-K_MAX_RETAINED = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,23 +130,6 @@ class _Request:
     reported_at: int = -1  # (MD) the user position of the last takeover report acted on
 
 
-@dataclass
-class _Emitted:
-    """The tokens this decoder emitted for a request, kept for re-sends."""
-
-    sink: str
-    first: int = -1
-    final: int = -1  # the stream's last position, if we emitted it
-    tokens: array.array[int] = field(default_factory=lambda: array.array("q"))
-    state: SourceState = SourceState.ACTIVE
-    detail: str = ""
-    ended_at: float = 0.0
-
-    @property
-    def last(self) -> int:
-        return self.first + len(self.tokens) - 1 if self.tokens else -1
-
-
 class _DecodeEndpoint(ABC):
     role = ""
 
@@ -184,7 +163,6 @@ class _DecodeEndpoint(ABC):
         self.lease_s = lease_s
         self.watch_interval_s = watch_interval_s
         self.max_requests = max_requests
-        self.sink_timeout_s = 2.0
         self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
         self.engine_id = engine_id or name
         self.rank = rank
@@ -194,9 +172,7 @@ class _DecodeEndpoint(ABC):
         self.wan_limits = wan_limits
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
         self._reqs: dict[int, _Request] = {}
-        self._emitted: dict[int, _Emitted] = {}
-        self._resending: set[int] = set()  # requests whose tokens a task is re-sending
-        self._ended: dict[int, None] = {}  # ended streams' ids, oldest first
+        self.kept = KeptTokens(self.node)  # the tokens emitted, for the sink's re-sends
         self._nursery: trio.Nursery | None = None
         self._stack: Any = None
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
@@ -216,11 +192,12 @@ class _DecodeEndpoint(ABC):
             await stack.enter_async_context(self.receiver)  # type: ignore[arg-type]
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._stack = stack.pop_all()
+        self.kept.attach(self._nursery)
         self.node.route(KvOffer, self._on_offer)
         self.node.route(Abort, self._on_abort)
         self.node.route(StatsRequest, self._on_stats)
-        self.node.route(StreamResend, self._on_resend)
-        self.node.route(StreamAck, self._on_stream_ack)
+        self.node.route(StreamResend, self.kept.on_resend)
+        self.node.route(StreamAck, self.kept.on_ack)
         self.hub = HandoffHub(self.node)
         return self
 
@@ -258,9 +235,23 @@ class _DecodeEndpoint(ABC):
             assert self._nursery is not None
             self._nursery.start_soon(self._watch, info.name)
 
+    @property
+    def sink_timeout_s(self) -> float:
+        """How long one send of a token to the sink may wait."""
+        return self.kept.timeout_s
+
+    @sink_timeout_s.setter
+    def sink_timeout_s(self, value: float) -> None:
+        self.kept.timeout_s = value
+
     def statistics(self) -> DecodeStatistics:
         return DecodeStatistics(
-            **{**self._stats, "active": len(self._reqs), "free_blocks": self.engine.free_blocks()}
+            **{
+                **self._stats,
+                "active": len(self._reqs),
+                "free_blocks": self.engine.free_blocks(),
+                "tokens_resent": self.kept.resent,
+            }
         )
 
     def _on_stats(self, peer: str, msg: StatsRequest) -> StatsReply:
@@ -334,8 +325,7 @@ class _DecodeEndpoint(ABC):
         self._stats["blocks_received"] += len(dst)
         self._stats["blocks_cached_hit"] += skip
         self._reqs[req.rid] = req
-        self._emitted[req.rid] = _Emitted(req.sink)
-        self._ended.pop(req.rid, None)
+        self.kept.open(req.rid, req.sink)
         self.hub.expect(req.rid)
         assert self._nursery is not None
         self._nursery.start_soon(self._serve, req)
@@ -393,7 +383,7 @@ class _DecodeEndpoint(ABC):
             machine: Any = req.driver.machine
             self.handoff_stats.append(machine.statistics(trio.current_time()))
         self._reqs.pop(req.rid, None)
-        self._end_stream(req.rid, SourceState.DONE)
+        self.kept.end(req.rid, SourceState.DONE)
         self.hub.detach(req.rid)
         self._free(req)
         if error is None:
@@ -418,76 +408,13 @@ class _DecodeEndpoint(ABC):
         del req
 
     async def _tell_sink_abort(self, req: _Request, reason: str) -> None:
-        self._end_stream(req.rid, SourceState.FAILED, reason)
+        self.kept.end(req.rid, SourceState.FAILED, reason)
         try:
             await self.node.send(req.sink, Abort(req.rid, reason), timeout=2.0)
         except PddnetError as exc:
             log.warning(
                 "%s: could not tell %s that %s failed: %s", self.name, req.sink, req.rid, exc
             )
-
-    # ------------------------------------------------- stream integrity
-    def _end_stream(self, rid: int, state: SourceState, detail: str = "") -> None:
-        """The request ended here: keep its tokens a while for the sink's re-sends
-        (at most :data:`K_RETAIN_S` seconds, and the :data:`K_MAX_RETAINED` latest)."""
-        kept = self._emitted.get(rid)
-        if kept is None or kept.state is not SourceState.ACTIVE:
-            return
-        kept.state, kept.detail = state, detail
-        kept.ended_at = now = trio.current_time()
-        self._ended[rid] = None
-        while self._ended:
-            oldest = next(iter(self._ended))
-            if (
-                len(self._ended) <= K_MAX_RETAINED
-                and self._emitted[oldest].ended_at > now - K_RETAIN_S
-            ):
-                break
-            del self._ended[oldest], self._emitted[oldest]
-
-    def _on_resend(self, peer: str, msg: StreamResend) -> StreamStatus:
-        """The sink asks for the tokens it lacks from ``msg.start`` on.
-
-        The answer leaves at once; the tokens follow from a task of their own
-        (at most one per request), so a sink that reads slowly delays only
-        itself, never the node's other control traffic (handlers run one at a
-        time). The assembler needs no order between the two: the status says
-        which positions this decoder holds, and the tokens are checked by
-        position when they land.
-        """
-        kept = self._emitted.get(msg.request_id)
-        if kept is None:
-            return StreamStatus(msg.request_id, int(SourceState.UNKNOWN), -1, -1)
-        if peer != kept.sink:
-            raise RemoteProtocolError(
-                f"re-send asked by {peer}, not the sink", peer=peer, request_id=msg.request_id
-            )
-        start = max(msg.start, kept.first)
-        if start <= kept.last and msg.request_id not in self._resending:
-            assert self._nursery is not None
-            self._resending.add(msg.request_id)
-            self._nursery.start_soon(self._resend, peer, msg.request_id, kept, start)
-        return StreamStatus(msg.request_id, int(kept.state), kept.first, kept.last, kept.detail)
-
-    async def _resend(self, peer: str, rid: int, kept: _Emitted, start: int) -> None:
-        """Send ``kept``'s tokens from ``start`` on again; the whole re-send gets
-        one bounded wait (a sink that stops reading is dropped, not waited on)."""
-        try:
-            with trio.move_on_after(self.sink_timeout_s):
-                for pos in range(start, kept.last + 1):
-                    tok = kept.tokens[pos - kept.first]
-                    again = Emitted(rid, pos, tok, self.name, pos == kept.final)
-                    await self.node.send(peer, again, timeout=self.sink_timeout_s)
-                    self._stats["tokens_resent"] += 1
-        except PddnetError as exc:  # the next round asks again, or the stream fails
-            log.info("%s: re-send of %s to %s stopped: %s", self.name, rid, peer, exc)
-        finally:
-            self._resending.discard(rid)
-
-    def _on_stream_ack(self, peer: str, msg: StreamAck) -> None:
-        kept = self._emitted.get(msg.request_id)
-        if kept is not None and kept.state is not SourceState.ACTIVE and peer == kept.sink:
-            del self._emitted[msg.request_id], self._ended[msg.request_id]
 
     async def _on_abort(self, peer: str, msg: Abort) -> None:
         req = self._reqs.get(msg.request_id)
@@ -527,17 +454,9 @@ class _DecodeEndpoint(ABC):
     async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
         req = self._reqs[request_id]
         msg = Emitted(request_id, position, token, self.name, final)
-        kept = self._emitted.get(request_id)
-        if kept is not None:  # kept first: a re-send can deliver a token whose send failed
-            if kept.first < 0:
-                kept.first = position
-            if position == kept.first + len(kept.tokens):
-                kept.tokens.append(token)
-                kept.final = position if msg.finished else kept.final
-            else:
-                log.warning("%s: %s emitted out of order at %s", self.name, request_id, position)
+        self.kept.record(request_id, position, token, final)  # first: a re-send can deliver it
         try:
-            await self.node.send(req.sink, msg, timeout=self.sink_timeout_s)
+            await self.node.send(req.sink, msg, timeout=self.kept.timeout_s)
         except PddnetError as exc:
             # Nobody can read the stream any more: stop the request (its blocks
             # are freed by the driver's normal exit) instead of dying here.
@@ -712,7 +631,7 @@ class MainEndpoint(_DecodeEndpoint):
                 request has no relay, or the position and tokens are malformed.
         """
         rid = msg.request_id
-        req, kept = self._reqs.get(rid), self._emitted.get(rid)
+        req, kept = self._reqs.get(rid), self.kept.get(rid)
         if req is None or kept is None:
             return StreamStatus(rid, int(SourceState.UNKNOWN), -1, -1)
         if peer != req.sink:
@@ -741,7 +660,7 @@ class MainEndpoint(_DecodeEndpoint):
             self._nursery.start_soon(
                 self._confirm_takeover, req, msg.position, tuple(tokens.tolist())
             )
-        return StreamStatus(rid, int(kept.state), kept.first, kept.last, kept.detail)
+        return kept.status(rid)
 
     async def _confirm_takeover(
         self, req: _Request, position: int, tokens: tuple[int, ...]
