@@ -30,11 +30,21 @@ def _model(layout: KVLayout) -> ReferenceModel:
 
 
 @pytest.mark.parametrize(
-    "interior, fused", [("hptd", False), ("hptd", True), ("pthd", True), ("thpd", False)]
+    "interior, fused, key_order",
+    [
+        ("hptd", False, "td"),
+        ("hptd", True, "td"),
+        ("hptd", True, "dt"),  # vLLM CPU's
+        ("pthd", True, "td"),
+        ("thpd", False, "td"),
+    ],
 )
-def test_reference_model_decodes_the_same_from_any_interior(interior: str, fused: bool) -> None:
+def test_reference_model_decodes_the_same_from_any_interior(
+    interior: str, fused: bool, key_order: str
+) -> None:
     base = TINY.kv_layout(BS, "float32")
-    other = KVLayout(**{**base.to_dict(), "interior": interior, "fused": fused})
+    change = {"interior": interior, "fused": fused, "key_order": key_order}
+    other = KVLayout(**{**base.to_dict(), **change})
     prompt = np.random.default_rng(5).integers(0, TINY.vocab_size, 100)
     runs = []
     for layout in (base, other):
@@ -55,30 +65,37 @@ def test_reference_model_decodes_the_same_from_any_interior(interior: str, fused
         buf = got_model.pool.buffers[0][layer] if fused else got_model.pool.buffers[layer]
         slots = buf.transpose([names.index(a) for a in "bpthd"])[ids]  # [blocks, p, t, h, d]
         k, v = ref.kv_views(layer)
-        np.testing.assert_array_equal(slots[:, 0], k[ids])
         np.testing.assert_array_equal(slots[:, 1], v[ids])
+        if key_order == "td":  # 'dt': test_vllm_cpu_reading_of_an_hptd_block
+            np.testing.assert_array_equal(slots[:, 0], k[ids])
 
 
 def test_vllm_cpu_reading_of_an_hptd_block() -> None:
-    # vLLM's CPU attention: view [blocks, heads, 2 * block_size, d], chunk(2, dim=2)
+    # vLLM's CPU attention (vec ISA): per head [2 * block_size * d] split in
+    # half, K as [d, block_size], V as [block_size, d]
     layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, BS, "float32",
-                      interior="hptd")  # fmt: skip
+                      interior="hptd", key_order="dt")  # fmt: skip
+    ref = _model(TINY.kv_layout(BS, "float32"))
     model = _model(layout)
-    seq = model.new_sequence(50)
-    model.prefill(seq, list(range(50)))
-    k, v = model.kv_views(1)
-    storage = model.pool.buffers[1].reshape(NB, TINY.num_kv_heads, BS, 2 * TINY.head_dim)
-    halves = storage.reshape(NB, TINY.num_kv_heads, 2 * BS, TINY.head_dim)
-    key_cache, value_cache = halves[:, :, :BS], halves[:, :, BS:]
+    for m in (ref, model):
+        seq = m.new_sequence(50)
+        m.prefill(seq, list(range(50)))
+    d, h = TINY.head_dim, TINY.num_kv_heads
+    n = 50 - BS  # tokens in the second block
     b = seq.block_table[1]
-    np.testing.assert_array_equal(key_cache[b].transpose(1, 0, 2)[: 50 - BS], k[b][: 50 - BS])
-    np.testing.assert_array_equal(value_cache[b].transpose(1, 0, 2)[: 50 - BS], v[b][: 50 - BS])
+    for layer in range(TINY.num_layers):
+        halves = model.pool.buffers[layer].reshape(NB, h, 2, BS * d)
+        key_cache = halves[:, :, 0].reshape(NB, h, d, BS)
+        value_cache = halves[:, :, 1].reshape(NB, h, BS, d)
+        k, v = ref.kv_views(layer)  # [blocks, t, h, d], the NumPy model's native order
+        np.testing.assert_array_equal(key_cache[b].transpose(2, 0, 1)[:n], k[b][:n])
+        np.testing.assert_array_equal(value_cache[b].transpose(1, 0, 2)[:n], v[b][:n])
 
 
 def test_cuda_path_still_refuses_other_interiors_and_fused_pools() -> None:
     base = TINY.kv_layout(BS, "float16")
     TINY.check_layout(base, on_device=True)
-    for change in ({"interior": "hptd"}, {"fused": True}):
+    for change in ({"interior": "hptd"}, {"fused": True}, {"interior": "hptd", "key_order": "dt"}):
         with pytest.raises(LayoutMismatch, match="CUDA"):
             TINY.check_layout(KVLayout(**{**base.to_dict(), **change}), on_device=True)
         TINY.check_layout(KVLayout(**{**base.to_dict(), **change}))  # the NumPy path takes it
@@ -106,8 +123,9 @@ def test_kv_pool_from_vllm_wraps_without_a_copy(shared: bool) -> None:
     from pddnet.integrations.vllm import kv_pool_from_vllm
 
     caches = _vllm_like(10, 3, shared=shared)
-    pool = kv_pool_from_vllm(caches)
-    assert pool.layout == KVLayout(3, 2, 16, BS, "float32", fused=shared, interior="hptd")
+    pool = kv_pool_from_vllm(caches, isa="vec")  # head_dim 16 would be vec16
+    want = KVLayout(3, 2, 16, BS, "float32", fused=shared, interior="hptd", key_order="dt")
+    assert pool.layout == want
     assert pool.num_blocks == 10
     for i in range(3):
         t = caches[f"model.layers.{i}.self_attn.attn"]
@@ -144,3 +162,7 @@ def test_kv_pool_from_vllm_refuses_what_it_cannot_view() -> None:
         kv_pool_from_vllm({"l.0": good.transpose(1, 2)})
     with pytest.raises(LayoutMismatch, match="bfloat16"):
         kv_pool_from_vllm({"l.0": good.to(torch.bfloat16)})
+    with pytest.raises(LayoutMismatch, match="'amx'"):
+        kv_pool_from_vllm({"l.0": good}, isa="amx")
+    with pytest.raises(LayoutMismatch, match="key_order"):
+        KVLayout(2, 2, 16, BS, interior="pthd", key_order="dt")

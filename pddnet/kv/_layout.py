@@ -20,6 +20,9 @@ planes, and all byte arithmetic (:mod:`pddnet.kv._ranges`) works on them:
   vLLM's CPU backend stores ``"hptd"`` (per head, K of the block's tokens,
   then V). Transfers move whole slots and never look inside, but two peers
   must agree on it: the same bytes read in another order are other KV.
+* ``key_order="dt"`` stores K of a block transposed, ``[head_dim,
+  block_size]`` where V is ``[block_size, head_dim]`` (vLLM CPU's ``vec``
+  attention kernels: interior ``"hptd"``, K as ``"hpdt"``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class KVLayout:
         fused: one tensor for all layers instead of one per layer.
         interior: the axis order inside a block slot, a permutation of
             ``"pthd"``; a KV-major layout keeps ``p`` outermost.
+        key_order: ``"td"``, or ``"dt"`` when K's innermost ``[t, d]`` axes
+            are stored transposed (the interior must end in ``"td"``).
     """
 
     num_layers: int
@@ -72,6 +77,7 @@ class KVLayout:
     kv_major: bool = False
     fused: bool = False
     interior: str = "pthd"
+    key_order: str = "td"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -89,6 +95,13 @@ class KVLayout:
         if self.kv_major and self.interior[0] != "p":
             raise LayoutMismatch(
                 f"a KV-major layout keeps K and V outermost: interior {self.interior!r}"
+            )
+        if self.key_order not in ("td", "dt") or (
+            self.key_order == "dt" and not self.interior.endswith("td")
+        ):
+            raise LayoutMismatch(
+                f"KVLayout.key_order must be 'td', or 'dt' with an interior ending in 'td',"
+                f" got {self.key_order!r} with {self.interior!r}"
             )
         _ = self.np_dtype  # validates the dtype
 
@@ -172,6 +185,7 @@ class KVLayout:
             "kv_major": self.kv_major,
             "fused": self.fused,
             "interior": self.interior,
+            "key_order": self.key_order,
         }
 
     @classmethod

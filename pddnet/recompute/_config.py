@@ -98,10 +98,10 @@ class ModelConfig:
             raise LayoutMismatch("the reference model needs non-MLA KV buffers (K and V)")
         if on_device and layout.fused:
             raise LayoutMismatch("the reference model's CUDA path needs per-layer KV buffers")
-        if on_device and layout.interior != "pthd":
+        if on_device and (layout.interior, layout.key_order) != ("pthd", "td"):
             raise LayoutMismatch(
                 "the reference model's CUDA kernels read blocks as 'pthd', the KV layout"
-                f" has {layout.interior!r}"
+                f" has {layout.interior!r} (key_order {layout.key_order!r})"
             )
         want = (self.num_layers, self.num_kv_heads, self.head_dim)
         have = (layout.num_layers, layout.num_kv_heads, layout.head_dim)

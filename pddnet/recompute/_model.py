@@ -127,7 +127,8 @@ def _kv_views(pool: KVPool) -> list[tuple[Any, Any]]:
 
     Views of the pool's own bytes, never copies: for a ``'pthd'`` per-layer
     pool they are plain slices, for another block interior (vLLM CPU's
-    ``'hptd'``) or a fused pool, strided views.
+    ``'hptd'``, with K transposed: ``key_order='dt'``) or a fused pool,
+    strided views.
     """
     layout = pool.layout
     # axis names of one layer's array: "b" is the block axis
@@ -138,7 +139,20 @@ def _kv_views(pool: KVPool) -> list[tuple[Any, Any]]:
     else:
         layers = list(pool.buffers)
     views = [layer.transpose(order) for layer in layers]
-    return [(v[0], v[1]) for v in views]
+    if layout.key_order == "td":
+        return [(v[0], v[1]) for v in views]
+    # K's innermost [t, d] bytes hold [d, t]: view them so, then swap
+    at = (slice(None),) * names.index("p") + (0,)
+    rest = [axis for axis in names if axis != "p"]
+    bs, d = layout.block_size, layout.head_dim
+    keys = [
+        layer[at]
+        .reshape(*layer[at].shape[:-2], d, bs)
+        .swapaxes(-1, -2)
+        .transpose([rest.index(axis) for axis in "bthd"])
+        for layer in layers
+    ]
+    return [(k, v[1]) for k, v in zip(keys, views, strict=True)]
 
 
 def greedy(logits: Any) -> int:

@@ -4,9 +4,14 @@ vLLM 0.32's CPU attention backend keeps each layer's KV in one tensor of shape
 ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, which it reads as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` split in half: per KV
 head, K of the block's tokens, then V (``cpu_attn.py``; docs/vllm.md). That is
-pddnet's block interior ``"hptd"``. The layers are normally consecutive slices
-of one storage; :func:`kv_pool_from_vllm` then makes one fused pool over them,
-and one buffer per layer otherwise.
+pddnet's block interior ``"hptd"``. The ``vec`` attention kernels (float32 and
+float16 on x86 with head sizes that are a multiple of 32) store K transposed,
+``[head_dim, block_size]`` per head, and V as ``[block_size, head_dim]``
+(measured: tests/test_vllm_prefill_role.py): ``key_order="dt"``. Other ISAs
+(``amx``, ``neon``, ``vec16``, ...) may store K otherwise (not checked) and
+are refused. The layers are normally consecutive slices of one storage;
+:func:`kv_pool_from_vllm` then makes one fused pool over them, and one buffer
+per layer otherwise.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from ..._errors import LayoutMismatch, LocalProtocolError
 from ..._optional import require
 from ...kv import KVLayout, KVPool
 
-__all__ = ["K_VLLM_CPU_INTERIOR", "kv_pool_from_vllm", "layer_index"]
+__all__ = ["K_VLLM_CPU_INTERIOR", "K_VLLM_CPU_KEY_ORDER", "kv_pool_from_vllm", "layer_index"]
 
 #: vLLM CPU's block interior: per KV head, K of the block's tokens, then V.
 K_VLLM_CPU_INTERIOR = "hptd"
+#: vLLM CPU attention ISAs whose KV layout pddnet knows: ISA -> K's key_order.
+K_VLLM_CPU_KEY_ORDER = {"vec": "dt"}
 
 
 def layer_index(name: str) -> int:
@@ -36,23 +43,26 @@ def layer_index(name: str) -> int:
     raise LocalProtocolError(f"no layer index in KV cache name {name!r}")
 
 
-def kv_pool_from_vllm(kv_caches: Mapping[str, Any]) -> KVPool:
+def kv_pool_from_vllm(kv_caches: Mapping[str, Any], *, isa: str | None = None) -> KVPool:
     """Wrap the tensors of vLLM's ``register_kv_caches`` as a pool (NumPy views).
 
     Args:
         kv_caches: layer name -> CPU tensor ``[num_blocks, kv_heads,
             block_size, 2 * head_dim]``, as vLLM's CPU backend allocates them.
+        isa: vLLM's CPU attention ISA for these tensors; None asks vLLM
+            (``cpu_attn._get_attn_isa``, as its backend does).
 
     Returns:
         A pool with ``KVLayout(layers, kv_heads, head_dim, block_size, dtype,
-        interior="hptd")``; ``fused=True`` when layer ``i`` starts exactly ``i``
+        interior="hptd", key_order="dt")``; ``fused=True`` when layer ``i`` starts exactly ``i``
         layers into one storage (as vLLM allocates it), per-layer otherwise.
         Its buffers are the tensors' own memory: pddnet reads and writes vLLM's
         blocks in place.
 
     Raises:
         LayoutMismatch: for no layers, layers of different shapes or dtypes, a
-            non-contiguous or non-CPU tensor, or a dtype NumPy cannot view.
+            non-contiguous or non-CPU tensor, a dtype NumPy cannot view, or
+            an ISA whose K layout pddnet does not know.
     """
     torch = require("torch")
     if not kv_caches:
@@ -76,8 +86,19 @@ def kv_pool_from_vllm(kv_caches: Mapping[str, Any]) -> KVPool:
     dtype = str(first.dtype).removeprefix("torch.")
     if dtype not in ("float32", "float16"):
         raise LayoutMismatch(f"no NumPy view of a {dtype} KV cache")
+    if isa is None:
+        cpu_attn = require("vllm.v1.attention.backends.cpu_attn")
+        isa = str(cpu_attn._get_attn_isa(first.dtype, block_size, width // 2))
+    if isa not in K_VLLM_CPU_KEY_ORDER:
+        raise LayoutMismatch(f"vLLM CPU attention ISA {isa!r}: its K cache layout is not known")
     per_layer = KVLayout(
-        len(tensors), kv_heads, width // 2, block_size, dtype, interior=K_VLLM_CPU_INTERIOR
+        len(tensors),
+        kv_heads,
+        width // 2,
+        block_size,
+        dtype,
+        interior=K_VLLM_CPU_INTERIOR,
+        key_order=K_VLLM_CPU_KEY_ORDER[isa],
     )
     layer_elems = first.numel()
     fused = all(
