@@ -8,13 +8,23 @@ sink. They differ in what they receive and how they end:
   soon as they land, and hands over to MD by token ids.
 * MD consults its decode-side radix cache (DRC): it pins the prefix it holds
   and grants only the missing blocks, which cross the WAN. When they land it
-  recomputes RLD's eager tokens (extend) and takes over, or, on the P->MD
-  route, decodes from the first token itself. Finished prompts are cached.
+  has its engine continue prompt + RLD's eager tokens (one extend pass) and
+  takes over, or, on the P->MD route, decodes from the first token itself.
+  Finished prompts are cached.
 
 Per request, in order: ``KvOffer`` from P -> blocks allocated and granted ->
 ``KvAccept`` to P -> the transfer lands (lease renewals go to P meanwhile) ->
 the driver runs -> the blocks are freed (or cached, on MD). Every failure
 ends the request with an ``Abort`` to the sink, so no request is lost.
+
+Each responsibility has its own class; the endpoint wires them: the blocks
+and grants (:class:`~pddnet.api._grants.BlockGrants`, MD's
+:class:`~pddnet.api._grants.CachedGrants`), the tokens kept for the sink's
+re-sends (:class:`~pddnet.api._kept.KeptTokens`), the per-request record
+(:class:`~pddnet.api._record.RequestRecord`), and the handoff drivers, which
+reach the engine only through :class:`~pddnet.handoff.DecodeEngine`. The
+endpoint itself is the drivers' ``TokenOut`` (emits to the sink) and the
+hooks behind their ``Link`` (cancel a transfer, free blocks).
 """
 
 from __future__ import annotations
@@ -27,11 +37,10 @@ import logging
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
 
 import msgpack
-import numpy as np
 import trio
 
 from .._errors import (
@@ -42,25 +51,27 @@ from .._errors import (
     TransferCancelled,
     TransferTimeout,
 )
-from ..cache import CacheServer, DrcPlanRequest, DrcSnapshotRequest, RadixCache
+from ..cache import CacheServer, DrcSnapshotRequest, RadixCache
 from ..control import ControlNode, TcpTuning
 from ..handoff import (
     AbortReason,
     ControlLink,
+    Done,
     HandoffHub,
     HandoffParams,
-    HandoffRequest,
     MainDriver,
+    MainStats,
     RelayDriver,
     RelayState,
+    RelayStats,
 )
-from ..handoff._driver import HandoffDriver
-from ..kv import KVPool, block_ranges
+from ..kv import KVPool
 from ..transport import Receiver
 from ..transport.local import local_available, open_local_receiver
 from ..transport.wan import TlsConfig, WanLimits, WanReceiver
-from ..wire import Message, Pong, decode_tokens, encode_tokens
+from ..wire import Message, Pong, decode_tokens
 from ._engine import DecodeEngine
+from ._grants import BlockGrants, CachedGrants
 from ._info import EndpointInfo
 from ._kept import KeptTokens
 from ._messages import (
@@ -69,7 +80,6 @@ from ._messages import (
     Emitted,
     KvAccept,
     KvOffer,
-    LeaseRenew,
     StatsReply,
     StatsRequest,
     StreamAck,
@@ -77,11 +87,13 @@ from ._messages import (
     StreamStatus,
     StreamTakeover,
 )
+from ._record import RequestRecord
 from ._stream import SourceState
 
 __all__ = ["DecodeStatistics", "MainEndpoint", "RelayEndpoint"]
 
 log = logging.getLogger("pddnet.api")
+_D = TypeVar("_D", RelayDriver, MainDriver)
 
 K_MAX_PROMPT = 1 << 20
 # Control connections fail over fast: a lost single-packet message costs ~2 RTT
@@ -105,29 +117,6 @@ class DecodeStatistics:
     blocks_cached_hit: int
     free_blocks: int
     takeover_reports: int = 0  # (MD) sink reports of a lost RLD acted on (RLD unreachable here too)
-
-
-@dataclass
-class _Request:
-    rid: int
-    prompt: np.ndarray
-    first_token: int
-    max_tokens: int
-    p: str  # the prefill peer
-    relay: str
-    main: str
-    sink: str
-    table: list[int]
-    owned: list[int]  # blocks this request allocated (the rest are cache hits)
-    params: HandoffParams = field(default_factory=HandoffParams)
-    transfer_id: int = 0
-    plan_id: int | None = None
-    driver: HandoffDriver | None = None
-    landed: trio.Event = field(default_factory=trio.Event)
-    keep: bool = False  # strange traffic, but the transfer goes on to feed the cache
-    delivered_final: bool = False  # the sink got this request's last token from us
-    emitted: int = 0
-    reported_at: int = -1  # (MD) the user position of the last takeover report acted on
 
 
 class _DecodeEndpoint(ABC):
@@ -163,7 +152,9 @@ class _DecodeEndpoint(ABC):
         self.lease_s = lease_s
         self.watch_interval_s = watch_interval_s
         self.max_requests = max_requests
-        self.handoff_stats: collections.deque[Any] = collections.deque(maxlen=4096)
+        self.handoff_stats: collections.deque[RelayStats | MainStats] = collections.deque(
+            maxlen=4096
+        )
         self.engine_id = engine_id or name
         self.rank = rank
         self.node = ControlNode(name, secret=secret, bind=control_bind, tcp=control_tcp)
@@ -171,10 +162,11 @@ class _DecodeEndpoint(ABC):
         self.wan_tls = wan_tls
         self.wan_limits = wan_limits
         self.receiver: Receiver = receiver or self._default_receiver(data_host)
-        self._reqs: dict[int, _Request] = {}
+        self.grants = BlockGrants(engine, pool, self.receiver, self.node, lease_s)
+        self._reqs: dict[int, RequestRecord] = {}
         self.kept = KeptTokens(self.node)  # the tokens emitted, for the sink's re-sends
         self._nursery: trio.Nursery | None = None
-        self._stack: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
         self._stats = dict.fromkeys(DecodeStatistics.__dataclass_fields__, 0)
 
     def _default_receiver(self, data_host: str) -> Receiver:
@@ -186,7 +178,7 @@ class _DecodeEndpoint(ABC):
         )
 
     # ------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Self:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.node)
             await stack.enter_async_context(self.receiver)  # type: ignore[arg-type]
@@ -202,7 +194,7 @@ class _DecodeEndpoint(ABC):
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        assert self._nursery is not None
+        assert self._nursery is not None and self._stack is not None
         self._nursery.cancel_scope.cancel()
         return bool(await self._stack.__aexit__(*exc))
 
@@ -251,6 +243,8 @@ class _DecodeEndpoint(ABC):
                 "active": len(self._reqs),
                 "free_blocks": self.engine.free_blocks(),
                 "tokens_resent": self.kept.resent,
+                "blocks_received": self.grants.received,
+                "blocks_cached_hit": self.grants.cached_hit,
             }
         )
 
@@ -258,13 +252,6 @@ class _DecodeEndpoint(ABC):
         return StatsReply(stats_payload(self.statistics(), list(self.handoff_stats)))
 
     # --------------------------------------------------------------- offers
-    def _skip(self, req: _Request, prompt: np.ndarray) -> tuple[int, list[int]]:
-        """(cached leading blocks, their ids): none on RLD."""
-        return 0, []
-
-    def _allocate(self, n: int) -> list[int]:
-        return [int(b) for b in self.engine.allocate(n)]
-
     async def _on_offer(self, peer: str, msg: KvOffer) -> Message:
         self._stats["offers"] += 1
         if msg.request_id in self._reqs:
@@ -281,8 +268,7 @@ class _DecodeEndpoint(ABC):
         prompt = decode_tokens(msg.prompt, K_MAX_PROMPT)
         if prompt.size == 0:
             raise RemoteProtocolError("empty prompt", peer=peer, request_id=msg.request_id)
-        layout = self.pool.layout
-        req = _Request(
+        req = RequestRecord(
             msg.request_id,
             prompt,
             msg.first_token,
@@ -291,39 +277,13 @@ class _DecodeEndpoint(ABC):
             msg.relay,
             msg.main,
             msg.sink,
-            [],
-            [],
             self._params_for(msg.deadline_s),
         )
-        skip, hit_ids = self._skip(req, prompt)
-        total_blocks = layout.blocks_for_tokens(prompt.size + msg.max_tokens)
-        prompt_blocks = layout.blocks_for_tokens(prompt.size)
         try:
-            owned = self._allocate(total_blocks - skip)
+            grant, skip = self.grants.reserve(req)
         except PddnetError:
             self._stats["rejected"] += 1
-            self._release_plan(req)
             raise
-        req.owned = owned
-        req.table = hit_ids + owned
-        dst = owned[: prompt_blocks - skip]
-        ranges = block_ranges(self.pool.layout, self.pool.num_blocks, dst)
-        extra: dict[str, Any] = {"peer": peer} if isinstance(self.receiver, WanReceiver) else {}
-        try:  # the receiver's own bounds (WanLimits) may refuse the grant
-            grant = self.receiver.grant(
-                self.pool.host_views(),
-                ranges,
-                num_layers=self.pool.layout.num_layers,
-                timeout=req.params.kv_timeout_s,
-                **extra,
-            )
-        except PddnetError:
-            self._stats["rejected"] += 1
-            self._free(req)
-            raise
-        req.transfer_id = grant.transfer_id
-        self._stats["blocks_received"] += len(dst)
-        self._stats["blocks_cached_hit"] += skip
         self._reqs[req.rid] = req
         self.kept.open(req.rid, req.sink)
         self.hub.expect(req.rid)
@@ -350,64 +310,24 @@ class _DecodeEndpoint(ABC):
         )
 
     # -------------------------------------------------------------- serving
-    async def _wait_kv(self, req: _Request) -> None:
-        """Wait for the prompt KV, renewing P's lease meanwhile."""
-        error: PddnetError | None = None
-        async with trio.open_nursery() as nursery:
-
-            async def renew() -> None:
-                while True:
-                    await trio.sleep(self.lease_s / 3)
-                    try:
-                        await self.node.send(req.p, LeaseRenew(req.rid), timeout=self.lease_s / 3)
-                    except PddnetError as exc:
-                        log.info("%s: lease renewal for %s failed: %s", self.name, req.rid, exc)
-
-            nursery.start_soon(renew)
-            try:
-                await self.receiver.wait_transfer(req.transfer_id)
-            except PddnetError as exc:  # raised below, outside the nursery's group
-                error = exc
-            finally:
-                nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        req.landed.set()
-
     @abstractmethod
-    async def _serve(self, req: _Request) -> None:
+    async def _serve(self, req: RequestRecord) -> None:
         """Receive the request's KV and drive its handoff to the end."""
 
-    async def _finish(self, req: _Request, error: PddnetError | None) -> None:
+    async def _finish(self, req: RequestRecord, error: PddnetError | None) -> None:
         if req.driver is not None:
-            machine: Any = req.driver.machine
-            self.handoff_stats.append(machine.statistics(trio.current_time()))
+            self.handoff_stats.append(req.driver.machine.statistics(trio.current_time()))
         self._reqs.pop(req.rid, None)
         self.kept.end(req.rid, SourceState.DONE)
         self.hub.detach(req.rid)
-        self._free(req)
+        self.grants.free(req)
         if error is None:
             self._stats["finished"] += 1
         else:
             self._stats["failed"] += 1
             log.info("%s: request %s failed: %s", self.name, req.rid, error)
 
-    def _free(self, req: _Request) -> None:
-        """Give the request's blocks back (MD caches the prompt's if its KV landed)."""
-        if req.transfer_id and not req.landed.is_set():
-            # A grant still live would write the transfer's bytes into blocks that
-            # may be another request's by then: revoke it first (idempotent; the
-            # WAN receiver drops a payload revoked mid-chunk).
-            self.receiver.cancel(req.transfer_id)
-        if req.owned:
-            self.engine.free(req.owned)
-            req.owned = []
-
-    def _release_plan(self, req: _Request) -> None:
-        """Unpin the request's cached prefix (MD); RLD pins nothing."""
-        del req
-
-    async def _tell_sink_abort(self, req: _Request, reason: str) -> None:
+    async def _tell_sink_abort(self, req: RequestRecord, reason: str) -> None:
         self.kept.end(req.rid, SourceState.FAILED, reason)
         try:
             await self.node.send(req.sink, Abort(req.rid, reason), timeout=2.0)
@@ -425,7 +345,7 @@ class _DecodeEndpoint(ABC):
         else:
             self.receiver.cancel(req.transfer_id)
 
-    def _start_driver(self, req: _Request, driver: HandoffDriver) -> HandoffDriver:
+    def _start_driver(self, req: RequestRecord, driver: _D) -> _D:
         req.driver = driver
         self.hub.attach(driver)
         return driver
@@ -446,11 +366,6 @@ class _DecodeEndpoint(ABC):
 
     # ---------------------------------------------------- driver interfaces
     # (the handoff driver's TokenOut and Link hooks, per request)
-    def _handoff_request(self, req: _Request) -> HandoffRequest:
-        return HandoffRequest(
-            req.rid, tuple(req.prompt.tolist()), tuple(req.table), req.max_tokens, req.first_token
-        )
-
     async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
         req = self._reqs[request_id]
         msg = Emitted(request_id, position, token, self.name, final)
@@ -472,7 +387,7 @@ class _DecodeEndpoint(ABC):
     async def free_blocks(self, request_id: int) -> None:
         req = self._reqs.get(request_id)
         if req is not None:
-            self._free(req)
+            self.grants.free(req)
 
     @abstractmethod
     async def cancel_transfer(self, request_id: int, reason: AbortReason) -> None:
@@ -542,9 +457,9 @@ class RelayEndpoint(_DecodeEndpoint):
         )
         return self._wan_receiver(data_host)
 
-    async def _serve(self, req: _Request) -> None:
+    async def _serve(self, req: RequestRecord) -> None:
         try:
-            await self._wait_kv(req)
+            await self.grants.wait(req)
         except PddnetError as exc:
             if req.main:
                 await self._notify(req.main, Abort(req.rid, f"relay lost the KV: {exc}"))
@@ -553,9 +468,7 @@ class RelayEndpoint(_DecodeEndpoint):
             return
         driver = self._start_driver(
             req,
-            RelayDriver(
-                self.engine, self._link(req.main), self, self._handoff_request(req), req.params
-            ),
+            RelayDriver(self.engine, self._link(req.main), self, req.handoff_request(), req.params),
         )
         result = await driver.run()
         await self._finish(req, result.error)
@@ -611,9 +524,12 @@ class MainEndpoint(_DecodeEndpoint):
         self._suspecting: set[int] = set()  # requests whose takeover report is being confirmed
         self.cache = cache or RadixCache(self.pool.layout.block_size)
         self.drc = CacheServer(self.cache, lease_s=cache_lease_s)
+        self.grants = CachedGrants(
+            self.engine, self.pool, self.receiver, self.node, self.lease_s, drc=self.drc
+        )
         self._subscribers: set[str] = set()
 
-    async def __aenter__(self) -> MainEndpoint:
+    async def __aenter__(self) -> Self:
         await super().__aenter__()
         self.node.route(DrcSnapshotRequest, self._on_snapshot_request)
         self.node.route(StreamTakeover, self._on_takeover)
@@ -663,7 +579,7 @@ class MainEndpoint(_DecodeEndpoint):
         return kept.status(rid)
 
     async def _confirm_takeover(
-        self, req: _Request, position: int, tokens: tuple[int, ...]
+        self, req: RequestRecord, position: int, tokens: tuple[int, ...]
     ) -> None:
         try:
             try:
@@ -709,58 +625,18 @@ class MainEndpoint(_DecodeEndpoint):
                 except PddnetError:
                     self._subscribers.discard(peer)
 
-    def _skip(self, req: _Request, prompt: np.ndarray) -> tuple[int, list[int]]:
-        plan_req = DrcPlanRequest(
-            request_id=str(req.rid),
-            tokens=encode_tokens(prompt),
-            num_tokens=int(prompt.size),
-            block_size=self.cache.block_size,
-            predicted_blocks=0,
-        )
-        reply = self.drc.handle_plan(plan_req, trio.current_time())
-        req.plan_id = reply.plan_id
-        plan = self.drc.plan(reply.plan_id)
-        return plan.hit_blocks, [int(b) for b in plan.hit_block_ids]
-
-    def _allocate(self, n: int) -> list[int]:
-        short = n - self.engine.free_blocks()
-        if short > 0:  # make room from the cache's unpinned, least recently used blocks
-            self.engine.free(self.cache.evict(short))
-        return super()._allocate(n)
-
-    def _release_plan(self, req: _Request) -> None:
-        if req.plan_id is not None:
-            self.drc.abort(req.plan_id)
-            req.plan_id = None
-
-    def _free(self, req: _Request) -> None:
-        # Blocks are cacheable only if the prompt's KV really landed in them:
-        # then cache the prompt's full blocks (also when RLD kept the request
-        # after MD's KV landed), and free the rest.
-        if req.landed.is_set() and req.plan_id is not None and req.owned:
-            hit = self.drc.plan(req.plan_id).hit_blocks
-            full = req.prompt.size // self.cache.block_size
-            result = self.drc.complete(req.plan_id, req.owned[: full - hit])
-            req.plan_id = None
-            keep = set(req.owned[: full - hit]) - {int(b) for b in result.unused_block_ids}
-            self.engine.free([b for b in req.owned if b not in keep])
-            req.owned = []
-            return
-        self._release_plan(req)
-        super()._free(req)
-
-    async def _finish(self, req: _Request, error: PddnetError | None) -> None:
+    async def _finish(self, req: RequestRecord, error: PddnetError | None) -> None:
         await super()._finish(req, error)
         await self._publish()
 
-    async def _serve(self, req: _Request) -> None:
+    async def _serve(self, req: RequestRecord) -> None:
         driver = self._start_driver(
             req,
             MainDriver(
                 self.engine,
                 self._link(req.relay),
                 self,
-                self._handoff_request(req),
+                req.handoff_request(),
                 req.params,
                 relayed=bool(req.relay),
             ),
@@ -769,14 +645,13 @@ class MainEndpoint(_DecodeEndpoint):
 
             async def land() -> None:
                 try:
-                    await self._wait_kv(req)
+                    await self.grants.wait(req)
                 except TransferCancelled:
                     return  # we cancelled it (strange traffic) or P did; the driver knows
                 except PddnetError as exc:
                     log.info("%s: KV for %s failed: %s", self.name, req.rid, exc)
                     driver.cancel()
                     return
-                assert isinstance(driver, MainDriver)
                 driver.kv_landed()
 
             nursery.start_soon(land)
@@ -786,8 +661,7 @@ class MainEndpoint(_DecodeEndpoint):
             # else: the transfer still runs to feed the cache; land() ends with it
         await self._finish(req, result.error)
         # MD answers for the stream on P->MD, and on P->RLD->MD once it took over.
-        machine: Any = driver.machine
-        took_over = machine.statistics(trio.current_time()).takeover_position is not None
+        took_over = driver.machine.position is not None
         if not req.delivered_final and (not req.relay or took_over):
             await self._tell_sink_abort(req, _why(result))
 
@@ -803,14 +677,14 @@ class MainEndpoint(_DecodeEndpoint):
     async def free_blocks(self, request_id: int) -> None:
         req = self._reqs.get(request_id)
         if req is not None and not req.keep:
-            self._free(req)
+            self.grants.free(req)
 
 
-def _why(result: Any) -> str:
+def _why(result: Done) -> str:
     """A human reason for a request that ended without its last token."""
     if result.error is not None:
         return f"{type(result.error).__name__}: {result.error}"
-    return f"ended in {getattr(result.state, 'name', result.state)} without finishing"
+    return f"ended in {result.state.name} without finishing"
 
 
 def _plain(obj: Any) -> Any:
