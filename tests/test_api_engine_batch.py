@@ -58,9 +58,11 @@ async def test_two_requests_step_in_the_same_tick_and_decode_greedily() -> None:
 
 
 async def test_stop_ends_a_request_and_no_token_follows() -> None:
-    engine = ReferenceEngine(ReferenceModel.create(TINY, num_blocks=64), step_time_s=0.01)
+    model = SlowModel.create(TINY, num_blocks=64)
+    engine = ReferenceEngine(model)
     prompt = PROMPTS[1]
     table, first = landed(engine, prompt, 200)
+    model.slow_s = 0.05  # the stop below lands while a tick computes
     got = Collect()
     req = DecodeRequest(1, (*prompt, first), len(prompt), table, 199)
     with trio.fail_after(5):
@@ -151,3 +153,31 @@ async def test_a_slow_tick_does_not_stall_control_traffic() -> None:
     assert max(rtts) < 0.15, rtts
     on_loop = await ping_times_while_busy(ReferenceEngine(model, worker_thread=False), 0.4)
     assert max(on_loop) > 0.2, on_loop  # the check above can fail: this is what it catches
+
+
+async def test_cancelling_the_run_that_ticks_loses_no_token_of_the_others() -> None:
+    """The run that computes a tick is cancelled mid-tick: the batch's other
+    requests still get that tick's tokens (their KV advanced with it)."""
+    model = SlowModel.create(TINY, num_blocks=64)
+    engine = ReferenceEngine(model)
+    n = 8
+    (ta, fa), (tb, fb) = (landed(engine, PROMPTS[rid], n) for rid in (1, 2))
+    model.slow_s = 0.1
+    got_b = Collect()
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope_a:
+            nursery.start_soon(
+                engine.run,
+                DecodeRequest(2, (*PROMPTS[2], fb), len(PROMPTS[2]), tb, n - 1),
+                got_b,
+            )
+
+            async def cancel_mid_tick() -> None:
+                await trio.sleep(0.25)  # inside the third tick
+                scope_a.cancel()
+
+            nursery.start_soon(cancel_mid_tick)
+            req_a = DecodeRequest(1, (*PROMPTS[1], fa), len(PROMPTS[1]), ta, n - 1)
+            await engine.run(req_a, Collect())  # first to tick: it computes every tick
+    assert scope_a.cancelled_caught
+    assert [fb, *got_b.tokens] == reference(PROMPTS[2], n)

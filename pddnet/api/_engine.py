@@ -150,6 +150,8 @@ class ReferenceEngine:
             for r in batch:
                 r.in_tick = True
             self.tick_log.append(tuple(r.request.request_id for r in batch))
+            # Not abandoned on cancel: the pass writes the batch's KV, so its tokens
+            # are delivered below before a cancel of this run lands (the next await).
             if self.worker_thread:
                 await trio.to_thread.run_sync(self._step_batch, batch)
             else:
