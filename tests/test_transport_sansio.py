@@ -498,41 +498,6 @@ def test_path_chunk_size_grows_only_on_short_clean_fast_paths() -> None:
     assert size([sample(20e-6, 10e9, min_rtt=0.0)] * 8) == 4 * mib  # no min_rtt: the rtt
 
 
-def test_bulk_notsent_lowat_covers_a_stall_unless_urgent() -> None:
-    from pddnet.transport.wan._sender import (
-        K_FAST_NOTSENT_LOWAT,
-        K_MAX_NOTSENT_LOWAT,
-        K_STALL_COVER,
-        bulk_notsent_lowat,
-    )
-
-    kib = 1 << 10
-
-    def lowat(
-        rates: list[float], *, configured: int = 256 * kib, fast: bool = False, urgent: bool = False
-    ) -> int:
-        samples = [TcpSample(i, 0.03, 0.03, r, 10**9, 0) for i, r in enumerate(rates)]
-        return bulk_notsent_lowat(samples, configured=configured, fast_path=fast, urgent=urgent)
-
-    wan = [1e9 / 8 / 8] * 8  # 8 streams sharing 1 Gbit/s: 15.6 MB/s each
-    assert lowat(wan) == 2048 * kib  # 1.56 MB per K_STALL_COVER: the next power of two
-    assert lowat(wan) >= wan[0] * K_STALL_COVER
-    assert lowat(wan, urgent=True) == 256 * kib  # an urgent transfer: the configured mark
-    assert lowat([]) == 256 * kib  # nothing known yet
-    assert lowat([0.0] * 8) == 256 * kib  # nothing delivered yet
-    assert lowat([1e6] * 8) == 256 * kib  # a slow stream: 100 KB per stall is under the mark
-    assert lowat([3e6] * 8) == 512 * kib  # 300 KB
-    assert lowat([1e9] * 8) == K_MAX_NOTSENT_LOWAT  # 100 MB: capped
-    assert lowat([1e9] * 8, configured=8 << 20) == 8 << 20  # never below the configured mark
-    assert lowat([1e6, 1e6, 1e6, 1e9, 1e9]) == 256 * kib  # the median stream's rate, not the max
-    assert lowat(wan, configured=0) == 0  # off stays off
-    assert lowat(wan, configured=0, fast=True) == 0
-    assert lowat([1e6] * 8, fast=True) == K_FAST_NOTSENT_LOWAT  # a fast path: its own mark
-    assert lowat([1e9] * 8, fast=True) == K_FAST_NOTSENT_LOWAT
-    assert lowat([1e9] * 8, fast=True, urgent=True) == K_FAST_NOTSENT_LOWAT
-    assert lowat([1e9] * 8, configured=2 << 20, fast=True) == 2 << 20
-
-
 def _startup(
     p: AdaptivePacer, rtts: list[float], *, floor: float = 0.030, growth: float = 1.5
 ) -> list[PacingDecision]:

@@ -13,11 +13,7 @@ from pddnet.transport import Receiver, Sender
 from pddnet.transport.testing import CHECKS, check_transport
 from pddnet.transport.wan import WanReceiver, WanSender
 from pddnet.transport.wan._io import EndOfStream, FrameReader
-from pddnet.transport.wan._sender import (
-    K_DEFAULT_NOTSENT_LOWAT,
-    K_FAST_NOTSENT_LOWAT,
-    K_MAX_NOTSENT_LOWAT,
-)
+from pddnet.transport.wan._sender import K_DEFAULT_NOTSENT_LOWAT, K_FAST_NOTSENT_LOWAT
 from pddnet.transport.wan._sockopts import K_TCP_NOTSENT_LOWAT
 
 
@@ -347,40 +343,7 @@ async def test_chunk_size_follows_the_path_on_loopback() -> None:
         await tx.wait_connected()
         await trio.sleep(0.15)  # a sampling period: a fixed size stays fixed
         assert tx.statistics().chunk_size == 256 << 10
-        # (the bulk streams' mark then follows their rate: see the next test)
-        assert _notsent_lowat(tx._streams[2].sock) == K_DEFAULT_NOTSENT_LOWAT
-
-
-async def test_bulk_unsent_mark_rises_after_samples_and_drops_for_urgent() -> None:
-    # chunk size fixed (no fast path): only the stall cover raises the bulk streams' mark
-    case = make_case(7, 24 << 20, pieces=2)
-    async with WanReceiver() as rx, WanSender(rx.address, streams=2, chunk_size=256 << 10) as tx:
-        await tx.wait_connected()
-        grant = rx.grant(case.dst, case.dst_ranges)
-        with trio.fail_after(20):
-            await tx.send(grant, case.src, case.src_ranges)
-            await rx.wait_transfer(grant.transfer_id)
-        await trio.sleep(0.25)  # sampling periods: GB/s per stream on loopback
-        assert tx.statistics().chunk_size == 256 << 10  # not a fast path: the stall cover
-        bulk, express = tx._streams[:2], tx._streams[2]
-        assert {_notsent_lowat(s.sock) for s in bulk} == {K_MAX_NOTSENT_LOWAT}
-        assert _notsent_lowat(express.sock) == K_DEFAULT_NOTSENT_LOWAT
-        small = make_case(8, 64 << 10, pieces=1)
-        urgent = tx.start(
-            rx.grant(small.dst, small.dst_ranges),
-            small.src,
-            small.src_ranges,
-            priority=1,
-            ready=False,
-        )
-        # at once, before any await: bulk streams pull again only with little unsent
-        assert {_notsent_lowat(s.sock) for s in bulk} == {K_DEFAULT_NOTSENT_LOWAT}
-        urgent.mark_ready(0, 64 << 10)
-        with trio.fail_after(10):
-            await urgent.wait()
-        assert {_notsent_lowat(s.sock) for s in bulk} == {K_MAX_NOTSENT_LOWAT}
-    case.check_complete()
-    small.check_complete()
+        assert {_notsent_lowat(s.sock) for s in tx._streams} == {K_DEFAULT_NOTSENT_LOWAT}
 
 
 def _notsent_lowat(sock: socket.socket) -> int:

@@ -106,15 +106,6 @@ K_DEFAULT_NOTSENT_LOWAT = 256 << 10
 # goodput 0.69-0.72 -> 0.80-0.83 of plain TCP in A/B (docs/wan.md "Chunking").
 # Urgent chunks take the express stream, which keeps the configured mark.
 K_FAST_NOTSENT_LOWAT = 1 << 20
-# Off a fast path, while no urgent transfer runs, each bulk stream keeps K_STALL_COVER
-# seconds of its delivery rate unsent (in powers of two over the configured mark,
-# at most K_MAX_NOTSENT_LOWAT), so the link stays fed while the sender is off the
-# CPU: 256 KiB is 17 ms of one of 8 streams on 1 Gbit/s, and on a shared core the
-# sender was off it for 30-80 ms at a stretch, leaving the link underfed
-# (docs/wan.md "Slow runs"). An urgent transfer brings the configured mark back:
-# a bulk stream then pulls (possibly urgent) chunks only once little is unsent.
-K_STALL_COVER = 0.1
-K_MAX_NOTSENT_LOWAT = 4 << 20
 K_DEFAULT_ALGO = ChecksumAlgo.XXH3_64
 K_SAMPLE_PERIOD = 0.1
 K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
@@ -151,41 +142,6 @@ def path_chunk_size(samples: Sequence[TcpSample], *, base: int, largest: int) ->
     while size * 2 <= fits:
         size *= 2
     return size
-
-
-def bulk_notsent_lowat(
-    samples: Sequence[TcpSample], *, configured: int, fast_path: bool, urgent: bool
-) -> int:
-    """The ``TCP_NOTSENT_LOWAT`` for the bulk streams.
-
-    On a fast path, at least ``K_FAST_NOTSENT_LOWAT`` (the best of the measured
-    values there; 4 MiB was no better). Otherwise the configured mark while an
-    urgent transfer runs, and else that mark raised, in powers of two, until it
-    holds ``K_STALL_COVER`` seconds of the median stream's delivery rate (at
-    most ``K_MAX_NOTSENT_LOWAT``), so a sender kept off the CPU that long still
-    leaves its streams data to send.
-
-    Args:
-        samples: the latest sample of each connected bulk stream.
-        configured: the sender's ``notsent_lowat`` (0: off, and stays off).
-        fast_path: whether the chunks are above the base size (:func:`path_chunk_size`).
-        urgent: whether a ``priority > 0`` transfer is running.
-
-    Returns:
-        The mark in bytes (0: off).
-    """
-    if not configured:
-        return 0
-    if fast_path:
-        return max(configured, K_FAST_NOTSENT_LOWAT)
-    if urgent or not samples:
-        return configured
-    lowat = configured
-    rates = sorted(x.delivery_rate for x in samples)
-    want = min(rates[len(rates) // 2] * K_STALL_COVER, K_MAX_NOTSENT_LOWAT)
-    while lowat < want and lowat * 2 <= K_MAX_NOTSENT_LOWAT:
-        lowat *= 2
-    return lowat
 
 
 def express_window_ok(sample: TcpSample | None) -> bool:
@@ -366,10 +322,8 @@ class WanSender(Sender):
             delivery rate, so no stream bursts into the bottleneck queue the
             urgent chunks must cross (docs/wan.md); None: off.
         buffer_bytes: ``SO_SNDBUF``/``SO_RCVBUF`` of each stream.
-        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); the
-            bulk streams use at least ``K_FAST_NOTSENT_LOWAT`` on a fast path, and
-            elsewhere up to ``K_STALL_COVER`` seconds of their rate while no
-            urgent transfer runs (:func:`bulk_notsent_lowat`).
+        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); on a
+            fast path the bulk streams use at least ``K_FAST_NOTSENT_LOWAT``.
         secret: if set, every stream proves the shared secret to the receiver
             (challenge-response, :mod:`pddnet.transport._auth`) before any chunk.
         tls: if set, every stream is TLS (:class:`TlsConfig`: ``ca`` to verify the
@@ -528,7 +482,6 @@ class WanSender(Sender):
             self._sched.mark_ready(grant.transfer_id, 0, grant.total)
         if priority > 0:
             self._apply_pacing()
-            self._apply_lowat()
         self._pump()
         self._wake()
         return t
@@ -602,7 +555,6 @@ class WanSender(Sender):
         if ended:
             if self.urgent_pacing is not None:
                 self._apply_pacing()
-            self._apply_lowat()
             self._wake()
 
     def _bulk_rate(self) -> float | None:
@@ -691,19 +643,10 @@ class WanSender(Sender):
         samples = [s.sample for s in self._streams[: self._nbulk] if s.up and s.sample is not None]
         size = path_chunk_size(samples, base=self._base_chunk, largest=self._max_chunk)
         self._sched.chunk_size = size
-        self._apply_lowat(samples)
-
-    def _apply_lowat(self, samples: Sequence[TcpSample] | None = None) -> None:
-        bulk = self._streams[: self._nbulk]
-        if samples is None:
-            samples = [s.sample for s in bulk if s.up and s.sample is not None]
-        lowat = bulk_notsent_lowat(
-            samples,
-            configured=self.notsent_lowat,
-            fast_path=self._sched.chunk_size > self._base_chunk,
-            urgent=self._sched.urgent_running(),
-        )
-        for s in bulk:
+        lowat = self.notsent_lowat
+        if lowat and size > self._base_chunk:
+            lowat = max(lowat, K_FAST_NOTSENT_LOWAT)
+        for s in self._streams[: self._nbulk]:
             if s.up and s.sock is not None and s.notsent_lowat != lowat:
                 with contextlib.suppress(OSError):
                     set_notsent_lowat(s.sock, lowat)
