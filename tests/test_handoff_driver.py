@@ -279,3 +279,33 @@ async def test_a_flooding_peer_is_bounded_and_the_handoff_still_completes(
         with trio.fail_after(30):
             done = await md.run()
     assert done.error is None and eng.extended == 20
+
+
+async def test_a_cancel_does_not_wait_behind_the_engines_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine runs far ahead of a sink that takes 1 s per token: the
+    user's cancel is acted on after the emit in progress, not after every
+    token the engine produced meanwhile (before: ~one second per queued token)."""
+
+    class StuckSink:
+        emits = 0
+
+        async def emit(self, request_id: int, position: int, token: int, final: bool) -> None:
+            await trio.sleep(1.0)
+            self.emits += 1
+
+    eng, sink = StandInEngine(step_s=0.001), StuckSink()
+    eng.start(RID, SEED)
+    async with trio.open_nursery() as nursery:
+        rld = RelayDriver(eng, MemLink(nursery), sink, standin_request(RID, SEED, 2000))
+
+        async def cancel_soon() -> None:
+            await trio.sleep(0.5)
+            rld.cancel()
+
+        nursery.start_soon(cancel_soon)
+        t0 = trio.current_time()
+        done = await rld.run()
+    assert done.state is RelayState.CANCELLED and done.error is None
+    assert trio.current_time() - t0 < 2.5 and sink.emits <= 2

@@ -1,15 +1,17 @@
 """Trio drivers: connect the handoff machines to an engine and a message link.
 
 A driver owns one machine for one request. One task feeds it events, in
-order, from a single inbox (messages from the peer, the engine's tokens, KV
-landing, failure reports) and acts on its outputs, so the machine never sees
-two events at once and never waits on the engine. Between events the driver
-sleeps until ``machine.get_timer()`` and then feeds :class:`Timer`, so every
-wait inherits the machine's deadlines.
+order, from a single inbox (messages from the peer, KV landing, failure
+reports, a cancel) and the engine's tokens, and acts on its outputs, so the
+machine never sees two events at once and never waits on the engine. Queued
+events go first, then a timer that passed, then one token at a time: a
+failure report or a cancel never waits behind a run of tokens (each emit may
+wait on the sink). Otherwise the driver sleeps until ``machine.get_timer()``
+and then feeds :class:`Timer`, so every wait inherits the machine's deadlines.
 
 The engine is reached only through :class:`~pddnet.handoff.DecodeEngine`: the
 driver asks it to continue the request (the tokens so far, the blocks with
-their KV) and consumes its tokens from the inbox; the engine steps when it
+their KV) and consumes the tokens it produces; the engine steps when it
 likes, batched with its other requests. Tokens that arrive while the machine
 may not emit (RLD sent its final batch; MD finished a catch-up round but does
 not own the request yet) are kept, in order, and the engine is stopped: should
@@ -97,12 +99,8 @@ class TokenOut(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class _EngineToken(Event):
-    """(driver-internal) the engine's run number ``run`` produced a token."""
-
-    run: int
-    token: int
-    finish: FinishReason | None
+class _EngineWake(Event):
+    """(driver-internal) the engine produced tokens (they wait in ``_fresh``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +154,9 @@ class HandoffDriver:
         # kept for later, or (MD) RLD's tokens being recomputed
         self._stream: list[int] = []
         self._kept: collections.deque[TokenGenerated] = collections.deque()  # not yet fed
+        # the engine's tokens as they come: (run, token, finish), not yet kept
+        self._fresh: collections.deque[tuple[int, int, FinishReason | None]] = collections.deque()
+        self._woken = False  # an _EngineWake is queued
         self._finish_at: int | None = None  # the position whose token ends the request
         self._kv = len(request.prompt)  # leading tokens (prompt + stream) with KV in the blocks
         self._run = 0  # the engine run whose tokens count; earlier runs' are stale
@@ -228,43 +229,65 @@ class HandoffDriver:
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self._drain()
+            self._steer()
             while self.result is None:
-                deadline = self.machine.get_timer()
-                ev: Event = Timer()
-                # Queued events first: a timer that passed while we acted (a send
-                # that waited) must not starve them, a failure report above all.
-                try:
-                    ev = self._inbox.receive_nowait()
-                except trio.WouldBlock:
-                    with trio.move_on_at(deadline if deadline is not None else math.inf):
-                        ev = await self._inbox.receive()
-                else:
-                    await trio.lowlevel.checkpoint()
-                self._from_peer.discard(id(ev))
-                await self._feed(ev)
+                await self._next()
             self._stop_engine()
             nursery.cancel_scope.cancel()
         return self.result
 
+    async def _next(self) -> None:
+        """Act on one thing, in this order: a queued event (a failure report or
+        a cancel never waits behind tokens), a timer that passed, the engine's
+        next token; else sleep until an event or the machine's timer."""
+        deadline = self.machine.get_timer()
+        try:
+            ev = self._inbox.receive_nowait()
+        except trio.WouldBlock:
+            if deadline is not None and trio.current_time() >= deadline:
+                ev = Timer()
+            elif self._fresh or (self._kept and self.machine.may_decode):
+                await self._absorb()
+                if self._kept and self.result is None and self.machine.may_decode:
+                    await self._handle(self._kept.popleft())
+                self._steer()
+                await trio.lowlevel.checkpoint()
+                return
+            else:
+                ev = Timer()
+                with trio.move_on_at(deadline if deadline is not None else math.inf):
+                    ev = await self._inbox.receive()
+        else:
+            await trio.lowlevel.checkpoint()
+        self._from_peer.discard(id(ev))
+        await self._feed(ev)
+
     async def _feed(self, ev: Event) -> None:
+        if isinstance(ev, _EngineWake):
+            self._woken = False
+            return
         if isinstance(ev, _EngineEnded):
+            await self._absorb()  # its last tokens came before it
             if ev.run == self._run and self._engine_on:
                 raise LocalProtocolError(
                     "the engine ended the request without a finish reason",
                     request_id=self.request_id,
                 )
             return
-        if isinstance(ev, _EngineToken):
-            if ev.run != self._run or not self._engine_on:
-                return  # from a run we stopped
-            self._keep(ev.token, ev.finish)
-            if self._round_end is None:
-                await self._drain()
-                return
-            ev, self._round_end = RecomputeDone(self._round_end), None
         await self._handle(ev)
-        await self._drain()
+        self._steer()
+
+    async def _absorb(self) -> None:
+        """Keep the engine's new tokens (a stopped run's are dropped); on MD the
+        first token of a recompute round completes the round."""
+        while self._fresh:
+            run, token, finish = self._fresh.popleft()
+            if run != self._run or not self._engine_on:
+                continue  # from a run we stopped
+            self._keep(token, finish)
+            if self._round_end is not None:
+                end, self._round_end = self._round_end, None
+                await self._handle(RecomputeDone(end))
 
     async def _handle(self, ev: Event) -> None:
         try:
@@ -275,15 +298,6 @@ class HandoffDriver:
             outs = [FreeBlocks()] if self._holds_unowned_blocks() else []
             outs.append(Done(self.machine.state, exc))
         await self._act(outs)
-
-    async def _drain(self) -> None:
-        """Feed the kept tokens while the machine may emit, and steer the engine."""
-        while True:
-            while self._kept and self.result is None and self.machine.may_decode:
-                await self._handle(self._kept.popleft())
-            self._steer()
-            if not (self._kept and self.result is None and self.machine.may_decode):
-                return
 
     def _keep(self, token: int, finish: FinishReason | None) -> None:
         """A new token at the stream's end (from the engine, or P's first token)."""
@@ -342,7 +356,10 @@ class HandoffDriver:
         self, run: int, request: DecodeRequest, prev: trio.Event | None, ended: trio.Event
     ) -> None:
         def on_token(token: int, finish: FinishReason | None) -> None:
-            self._send_in.send_nowait(_EngineToken(run, token, finish))
+            self._fresh.append((run, token, finish))
+            if not self._woken:
+                self._woken = True
+                self._send_in.send_nowait(_EngineWake())
 
         try:
             if prev is not None:
