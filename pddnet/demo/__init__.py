@@ -41,9 +41,18 @@ import numpy as np
 
 from ..bench._common import percentiles, print_table, pyplot, write_report
 from ..emu import emulated_wan, parse_duration, parse_rate, unavailable_reason
+from ..integrations.vllm import build_tiny_llama
 from ..recompute import TINY, ReferenceModel, greedy
 
-__all__ = ["add_arguments", "main", "reference_streams", "report", "summarize", "tail_period"]
+__all__ = [
+    "add_arguments",
+    "main",
+    "reference_streams",
+    "report",
+    "summarize",
+    "tail_period",
+    "vllm_reference_streams",
+]
 
 #: ``tail_period``'s defaults: cycles of up to 16 tokens (half of a 32-token
 #: answer), repeating for at least 4 tokens (a run that random tokens make with
@@ -54,6 +63,13 @@ K_MIN_RUN = 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sessions (CI)")
+    parser.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="the roles' engine: the NumPy reference model (default), or three vLLM CPU"
+        " instances over a tiny Llama built locally (needs the vllm extra)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the summary and records as JSON")
     parser.add_argument(
         "--png",
@@ -96,6 +112,11 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "seed": 7,
         "request_timeout_s": 60.0,
         "local_path": args.local_path,
+        "engine": args.engine,
+        # vLLM: its start-up (tens of seconds on 2 cores) comes before the rendezvous
+        "join_timeout_s": 300.0 if args.engine == "vllm" else 30.0,
+        "phase_timeout_s": 600.0,
+        "staging_blocks": 1024,
     }
 
 
@@ -119,7 +140,8 @@ def _spawn_roles(
             "data_host": addrs[role],
             "rendezvous": f"tcp://{addrs['prefill']}:{ports['prefill']}",
         }
-        argv = [sys.executable, "-m", "pddnet.demo._roles", role, json.dumps(rcfg)]
+        module = "pddnet.demo._vllm_roles" if cfg["engine"] == "vllm" else "pddnet.demo._roles"
+        argv = [sys.executable, "-m", module, role, json.dumps(rcfg)]
         procs.append(
             spawners[role](
                 argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -231,6 +253,33 @@ def reference_streams(records: list[dict[str, Any]]) -> dict[int, list[int]]:
             out[rec["request_id"]] = stream
         model.release(seq)
     return out
+
+
+def vllm_reference_streams(
+    records: list[dict[str, Any]], model: str, tmp: Path
+) -> dict[int, list[int]]:
+    """Single-instance vLLM greedy decoding of every request's prompt on ``model``.
+
+    One vLLM instance without pddnet, in a process of its own
+    (``pddnet.demo._vllm_roles oracle``), decodes each distinct prompt.
+
+    Raises:
+        RuntimeError: if that process failed (its output attached).
+    """
+    prompts = sorted({tuple(rec["prompt"]) for rec in records})
+    max_tokens = {rec["max_tokens"] for rec in records}
+    if len(max_tokens) != 1:
+        raise RuntimeError(f"the records ask for different lengths: {sorted(max_tokens)}")
+    out = tmp / "oracle.json"
+    cfg = {"model": model, "prompts": prompts, "max_tokens": max_tokens.pop(), "out": str(out)}
+    argv = [sys.executable, "-m", "pddnet.demo._vllm_roles", "oracle", json.dumps(cfg)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the vLLM oracle failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    streams = dict(zip(prompts, json.loads(out.read_text()), strict=True))
+    return {rec["request_id"]: streams[tuple(rec["prompt"])] for rec in records}
 
 
 def tail_period(
@@ -380,17 +429,36 @@ def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(
         f"pddnet demo: {cfg['sessions']} sessions x {cfg['turns']} turns per phase, "
-        f"{cfg['max_tokens']} tokens each, decode paced to {args.step_ms:g} ms/step; "
-        f"P->RLD local path: {args.local_path.upper()} (--local-path {args.local_path})"
+        f"{cfg['max_tokens']} tokens each, "
+        + (
+            "vLLM CPU engines (decode at vLLM's own speed); "
+            if args.engine == "vllm"
+            else f"decode paced to {args.step_ms:g} ms/step; "
+        )
+        + f"P->RLD local path: {args.local_path.upper()} (--local-path {args.local_path})"
     )
     log: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
+        references = reference_streams
+        if args.engine == "vllm":
+            cfg["model"] = str(build_tiny_llama(Path(tmp) / "model"))
+
+            def references(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+                return vllm_reference_streams(records, cfg["model"], Path(tmp))
+
         link, phases = _run(args, cfg, Path(tmp), log)
-    return report(phases, link, args, expected=2 * cfg["sessions"] * cfg["turns"], t0=t0)
+        expected = 2 * cfg["sessions"] * cfg["turns"]
+        return report(phases, link, args, expected=expected, t0=t0, references=references)
 
 
 def report(
-    phases: dict[str, Any], link: str, args: argparse.Namespace, *, expected: int, t0: float
+    phases: dict[str, Any],
+    link: str,
+    args: argparse.Namespace,
+    *,
+    expected: int,
+    t0: float,
+    references: Callable[[list[dict[str, Any]]], dict[int, list[int]]] = reference_streams,
 ) -> int:
     """Check, print and write the phases' results (``args.png``, ``args.json``).
 
@@ -400,6 +468,8 @@ def report(
         args: the demo's command line.
         expected: requests submitted over both phases.
         t0: ``time.monotonic()`` when the demo started.
+        references: each record's reference stream (:func:`reference_streams`,
+            or :func:`vllm_reference_streams` for ``--engine vllm``).
 
     Returns:
         The exit status: 0 only if every expected request finished with its
@@ -408,7 +478,7 @@ def report(
     records = [rec for ph in _PHASES for rec in phases[ph]["requests"]]
     stats = {ph: phases[ph]["stats"] for ph in _PHASES}
     print("checking every stream against single-instance greedy decoding ...")
-    refs = reference_streams(records)
+    refs = references(records)
     print_table(_request_rows(records), title=f"\nper-request timeline ({link})")
     summary = summarize(records, refs, stats, expected=expected)
     summary["link"] = link

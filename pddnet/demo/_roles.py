@@ -36,7 +36,8 @@ from ..api import (
     new_request_id,
 )
 from ..control import load_secret
-from ..handoff import HandoffParams
+from ..handoff import DecodeEngine, HandoffParams
+from ..kv import KVPool
 from ..recompute import TINY, ReferenceModel, greedy
 from ..route import LinkEstimate, Route, RoutePolicy, Router
 from ..transport.wan import WanReceiver
@@ -47,6 +48,13 @@ T = TypeVar("T")
 
 async def decoder(role: str, cfg: dict[str, Any]) -> None:
     model = ReferenceModel.create(TINY, num_blocks=cfg["blocks"])
+    await serve_decoder(
+        role, cfg, model.pool, ReferenceEngine(model, step_time_s=cfg["step_time_s"])
+    )
+
+
+async def serve_decoder(role: str, cfg: dict[str, Any], pool: KVPool, engine: DecodeEngine) -> None:
+    """RLD or MD over ``engine`` (landing KV in ``pool``), joined to P's rendezvous."""
     cls = RelayEndpoint if role == "relay" else MainEndpoint
     other = "main" if role == "relay" else "relay"
     params = HandoffParams(rtt_s=cfg["rtt_s"], recompute_rate=20000.0)
@@ -62,8 +70,8 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
     )
     async with cls(
         role,
-        model.pool,
-        ReferenceEngine(model, step_time_s=cfg["step_time_s"]),
+        pool,
+        engine,
         engine_id=role,
         control_bind=cfg["control"],
         data_host=cfg["data_host"],
@@ -71,7 +79,8 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
         receiver=receiver,
         **extra,
     ) as ep:
-        await Rendezvous.join(ep, "p", cfg["rendezvous"], ("p", other))
+        timeout = cfg.get("join_timeout_s", 30.0)
+        await Rendezvous.join(ep, "p", cfg["rendezvous"], ("p", other), timeout=timeout)
         print(f"{role}: ready at {ep.info().control}", flush=True)
         await trio.sleep_forever()
 

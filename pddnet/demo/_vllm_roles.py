@@ -1,0 +1,288 @@
+"""The processes of ``pddnet demo --engine vllm``.
+
+Run as ``python -m pddnet.demo._vllm_roles ROLE CONFIG_JSON``.
+
+The same three roles as :mod:`pddnet.demo._roles`, each a vLLM 0.32 CPU
+instance over the tiny Llama checkpoint ``cfg["model"]``
+(:func:`~pddnet.integrations.vllm.build_tiny_llama`), one OS process per role
+(vLLM's worker-side connector is a process-wide singleton):
+
+* ``prefill``: vLLM with :class:`DemoPrefillConnector` (P's connector with
+  the demo's router and WAN options). The main thread owns vLLM and steps
+  it; the front end (sessions, the user's token streams through P's sink)
+  runs on the P endpoint's own trio thread, and asks the main thread for
+  each prefill through a queue (a vLLM request with ``max_tokens=1`` whose
+  ``kv_transfer_params`` name the pddnet request).
+* ``relay`` / ``main``: :class:`~pddnet.integrations.vllm.VllmDecodeEngine`
+  behind the demo's RelayEndpoint / MainEndpoint (:func:`~._roles.serve_decoder`).
+* ``oracle``: single-instance vLLM greedy decoding of ``cfg["prompts"]``
+  (no connector), the reference every demo stream is checked against.
+
+This module imports vLLM; the demo's parent process never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+import trio
+
+from .._errors import PddnetError
+from ..api import (
+    PrefillEndpoint,
+    Rendezvous,
+    StatsReply,
+    StatsRequest,
+    SyncEndpoint,
+    new_request_id,
+)
+from ..integrations.vllm import (
+    VllmDecodeEngine,
+    apply_cpu_env,
+    cpu_engine_kwargs,
+    kv_pool_from_vllm,
+    reference_config,
+    run_greedy,
+)
+from ..integrations.vllm._prefill_connector import PrefillKVConnector
+from ..route import LinkEstimate, Route, RoutePolicy, Router
+from ._roles import serve_decoder
+from ._workload import DemoRequest, make_sessions
+
+# The workload's longest prompt (1200 + 3 * 48 tokens) plus its answer fits;
+# the tiny checkpoint has 2048 positions.
+K_MAX_MODEL_LEN = 2048
+
+
+def engine_kwargs(model: str, **overrides: Any) -> dict[str, Any]:
+    """vLLM's arguments for every role and the oracle: the same model and numerics."""
+    return cpu_engine_kwargs(model, max_model_len=K_MAX_MODEL_LEN, **overrides)
+
+
+class DemoPrefillConnector(PrefillKVConnector):
+    """:class:`PrefillKVConnector` whose endpoint has the demo's router and WAN senders.
+
+    ``kv_connector_extra_config["demo"]`` is the role's config (the control
+    address, the link and routing figures). The base connector builds its
+    endpoint with the default router and WAN options only.
+    """
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        cfg = self._extra["demo"]
+        pool = kv_pool_from_vllm(kv_caches)
+        policy = RoutePolicy(
+            ttft_target_s=cfg["ttft_target_s"], rld_decode_rate=1 / cfg["step_time_s"]
+        )
+        router = Router(policy, LinkEstimate(cfg["rate_bps"] / 8, cfg["rtt_s"]))
+        self.endpoint = SyncEndpoint(
+            lambda: PrefillEndpoint(
+                "p",
+                pool,
+                engine_id="p",
+                control_bind=cfg["control"],
+                router=router,
+                wan_options={"streams": 4},
+            )
+        ).start()
+
+
+# --------------------------------------------------------------------- P
+_Prefill = tuple[int, list[int], int, str | None]  # pddnet id, prompt, max_tokens, route
+
+
+def prefill(cfg: dict[str, Any]) -> None:
+    """P: step vLLM on this thread while the front end runs on the endpoint's."""
+    apply_cpu_env()
+    import vllm
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    kv = KVTransferConfig(
+        kv_connector="DemoPrefillConnector",
+        kv_connector_module_path="pddnet.demo._vllm_roles",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"name": "p", "demo": cfg},
+    )
+    engine = vllm.LLMEngine.from_engine_args(
+        vllm.EngineArgs(**engine_kwargs(cfg["model"], kv_transfer_config=kv))
+    )
+    scheduler = engine.engine_core.engine_core.scheduler
+    sync: SyncEndpoint = get_kv_transfer_group().endpoint
+    prefills: queue.SimpleQueue[_Prefill | None] = queue.SimpleQueue()
+    box: list[Any] = []
+
+    def front() -> None:
+        try:
+            box.append(sync.call(_frontend, cfg, prefills, timeout=cfg["phase_timeout_s"]))
+        except BaseException as exc:  # re-raised on the main thread
+            box.append(exc)
+        finally:
+            prefills.put(None)
+
+    thread = threading.Thread(target=front, name="demo-frontend", daemon=True)
+    thread.start()
+    front_done = False
+    while not front_done or scheduler.has_requests():
+        if engine.has_unfinished_requests():
+            wait: float | None = 0.0  # prefills to compute: never block
+        elif scheduler.has_requests():
+            wait = 0.005  # only held blocks: step now and then for the releases
+        else:
+            wait = None
+        for item in _drain(prefills, wait):
+            if item is None:
+                front_done = True
+            else:
+                _add_prefill(vllm, engine, item)
+        if scheduler.has_requests():
+            engine.step()
+    thread.join()
+    sync.close()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    with open(cfg["out"], "w") as f:
+        json.dump(box[0], f)
+
+
+def _drain(q: queue.SimpleQueue[Any], wait: float | None) -> list[Any]:
+    """Everything in ``q``, waiting up to ``wait`` seconds (None: forever) for the first."""
+    out = []
+    try:
+        out.append(q.get(timeout=wait) if wait != 0.0 else q.get_nowait())
+        while True:
+            out.append(q.get_nowait())
+    except queue.Empty:
+        return out
+
+
+def _add_prefill(vllm: Any, engine: Any, item: _Prefill) -> None:
+    rid, prompt, max_tokens, route = item
+    pddnet = {"request_id": rid, "max_tokens": max_tokens, "sink": "p", "route": route}
+    params = vllm.SamplingParams(
+        temperature=0.0,
+        max_tokens=1,  # the prefill's token is P's first token
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"pddnet": pddnet}},
+    )
+    engine.add_request(str(rid), {"prompt_token_ids": prompt}, params)
+
+
+async def _frontend(
+    p: PrefillEndpoint, cfg: dict[str, Any], prefills: queue.SimpleQueue[_Prefill | None]
+) -> dict[str, Any]:
+    """(P's endpoint thread) rendezvous, run the phase's sessions, collect the stats."""
+    directory = Rendezvous.serve(p.node)
+    directory.publish(p.info())
+    for engine_id in ("relay", "main"):
+        info = await directory.wait_for(engine_id, 0, timeout=cfg["join_timeout_s"])
+        await p.connect_peer(info)
+    await trio.sleep(0.5)  # let the decoders finish connecting to each other
+    print("p: connected to relay and main", flush=True)
+    phase = cfg["phase"]
+    route = Route.P_MD if phase == "baseline" else None
+    vocab = reference_config(cfg["model"]).vocab_size
+    sessions = make_sessions(
+        cfg["seed"], cfg["sessions"], cfg["turns"], vocab=vocab, max_tokens=cfg["max_tokens"]
+    )
+    records: dict[int, dict[str, Any]] = {}
+    t_phase = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        for reqs in sessions:
+            nursery.start_soon(_session, p, prefills, records, phase, reqs, route, cfg)
+    print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
+    stats = {}
+    for peer in ("relay", "main"):
+        reply = await p.node.request(peer, StatsRequest(), timeout=10)
+        assert isinstance(reply, StatsReply)
+        stats[peer] = msgpack.unpackb(reply.payload)
+    stats["p"] = msgpack.unpackb(p._on_stats("p", StatsRequest()).payload)
+    return {"requests": list(records.values()), "stats": stats}
+
+
+async def _session(
+    p: PrefillEndpoint,
+    prefills: queue.SimpleQueue[_Prefill | None],
+    records: dict[int, dict[str, Any]],
+    phase: str,
+    reqs: list[DemoRequest],
+    route: Route | None,
+    cfg: dict[str, Any],
+) -> None:
+    for req in reqs:
+        rid = new_request_id()
+        rec: dict[str, Any] = {
+            "request_id": rid,
+            "phase": phase,
+            "session": req.session,
+            "turn": req.turn,
+            "prompt": list(req.prompt),
+            "max_tokens": req.max_tokens,
+            "tokens": [],
+            "outcome": None,
+            "t0": time.monotonic(),
+        }
+        records[rid] = rec
+        t0 = trio.current_time()
+        stream = p.sink.open(rid, deadline_s=cfg["request_timeout_s"], max_tokens=req.max_tokens)
+        # vLLM prefills it (P's prefix cache: only the new part is computed),
+        # then the connector submits it to pddnet
+        prefills.put((rid, list(req.prompt), req.max_tokens, route.name if route else None))
+        with trio.move_on_after(cfg["request_timeout_s"]):
+            try:
+                await stream.result()
+                rec["outcome"] = "finished"
+            except PddnetError as exc:
+                rec["outcome"] = f"error: {type(exc).__name__}: {exc}"
+            while rid in p.leases:  # as the reference demo: the next turn follows the release
+                await trio.sleep(0.01)
+        decision = next((d for d in p.router.decisions() if d.request_id == rid), None)
+        if decision is not None:
+            rec.update(route=decision.route.value, reason=decision.reason.name)
+        rec["tokens"] = [[t.time - t0, t.position, t.token, t.source] for t in stream.received]
+        rec["elapsed_s"] = time.monotonic() - rec["t0"]
+        print(f"p: [{phase}] session {req.session} turn {req.turn}: {rec['outcome']}", flush=True)
+
+
+# -------------------------------------------------------------- RLD / MD
+async def decoder(role: str, cfg: dict[str, Any]) -> None:
+    """RLD or MD: vLLM behind the demo's decoder endpoint."""
+    async with VllmDecodeEngine(
+        cfg["model"],
+        staging_blocks=cfg["staging_blocks"],
+        engine_kwargs={"max_model_len": K_MAX_MODEL_LEN},
+    ) as engine:
+        await serve_decoder(role, cfg, engine.pool, engine)
+
+
+# ---------------------------------------------------------------- oracle
+def oracle(cfg: dict[str, Any]) -> None:
+    """Single-instance vLLM greedy streams of ``cfg["prompts"]``, written to ``cfg["out"]``."""
+    apply_cpu_env()
+    import vllm
+
+    engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**engine_kwargs(cfg["model"])))
+    prompts = {str(i): p for i, p in enumerate(cfg["prompts"])}
+    steps = run_greedy(engine, prompts, cfg["max_tokens"])
+    streams = [[t for s in steps[str(i)] for t in s] for i in range(len(prompts))]
+    with open(cfg["out"], "w") as f:
+        json.dump(streams, f)
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    if role == "prefill":
+        prefill(cfg)
+    elif role == "oracle":
+        oracle(cfg)
+    else:
+        trio.run(decoder, role, cfg)
+
+
+if __name__ == "__main__":
+    main()
