@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import trio
@@ -134,6 +135,11 @@ async def test_catch_up_stream_equals_greedy(autojump_clock: trio.testing.MockCl
     assert m.tokens_rld + m.tokens_md == 400 and m.tokens_md > m.tokens_rld > 140
     assert 2 <= m.rounds <= 4 and rld.machine.handoff == "catch-up"
     assert md_eng.extended == m.tokens_rld  # MD recomputed exactly RLD's tokens
+    # Each round continues a longer prefix from the KV the previous one wrote
+    # (the prompt's first): no token is recomputed twice.
+    runs = [(n, kv) for _, n, kv in md_eng.runs]
+    assert len(runs) >= m.rounds and runs[0][1] == 1
+    assert all(kv == prev_n for (prev_n, _), (_, kv) in itertools.pairwise(runs))
     # The stall: the switch costs about a recompute of the last batch plus an RTT.
     assert m.max_gap_s < 0.2
     assert m.rld_occupancy_s < 4.0

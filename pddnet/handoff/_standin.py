@@ -83,6 +83,7 @@ class StandInEngine:
         self.emitted: dict[int, list[tuple[int, int]]] = {}
         self.steps = 0
         self.extended = 0  # tokens recomputed that this instance did not generate
+        self.runs: list[tuple[int, int, int]] = []  # (request, len(tokens), kv_tokens) per run
 
     def start(self, request_id: int, prompt_seed: int) -> None:
         """The prompt's KV is in place (prefilled, or landed over the WAN)."""
@@ -112,6 +113,7 @@ class StandInEngine:
                 request_id=rid,
             )
         self._stopped.discard(rid)
+        self.runs.append((rid, len(toks), kv))
         fresh = toks[kv:]
         if len(fresh) == 1 and self._own.get(rid) == (kv, fresh[0]):
             await trio.sleep(self.step_s)  # its own last token: one decode step
