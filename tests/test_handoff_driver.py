@@ -315,3 +315,25 @@ async def test_a_cancel_does_not_wait_behind_the_engines_tokens(
         done = await rld.run()
     assert done.state is RelayState.CANCELLED and done.error is None
     assert trio.current_time() - t0 < 2.5 and sink.emits <= 2
+
+
+async def test_eager_tokens_up_to_max_tokens_fail_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RLD sends max_tokens eager tokens without finishing: MD has nothing left
+    to decode, so it fails the request with a typed error and frees its blocks
+    (the engine would refuse a continue with no new token)."""
+    from pddnet import RemoteProtocolError
+    from pddnet.handoff import TokenBatch
+
+    eng = StandInEngine()
+    async with trio.open_nursery() as nursery:
+        link = MemLink(nursery)
+        md = MainDriver(eng, link, eng, standin_request(RID, SEED, 20), HandoffParams())
+        eng.start(RID, SEED)
+        md.kv_landed()
+        md.deliver(TokenBatch.build(RID, 0, greedy_reference(SEED, 20), False))
+        with trio.fail_after(5):
+            done = await md.run()
+    assert isinstance(done.error, RemoteProtocolError) and link.freed == 1
+    assert eng.runs == [] and eng.emitted == {}

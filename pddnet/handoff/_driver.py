@@ -402,6 +402,17 @@ class HandoffDriver:
                         await self._run_ended.wait()
                 await self.link.free_blocks(self.request_id)
             elif isinstance(o, StartRecompute):
+                if o.start + len(o.tokens) >= self.request.max_tokens:
+                    # nothing would be left to decode: RLD should have finished
+                    overrun = RemoteProtocolError(
+                        f"{o.start + len(o.tokens)} eager tokens of at most"
+                        f" {self.request.max_tokens}, without a finish",
+                        peer="rld",
+                        request_id=self.request_id,
+                    )
+                    log.warning("request %s: %s", self.request_id, overrun)
+                    await self._act([FreeBlocks(), Done(self.machine.state, overrun)])
+                    return
                 self._recompute(o.start, o.tokens)
             elif isinstance(o, TakeOver):
                 pass  # may_decode turns true; _steer continues the engine
