@@ -29,7 +29,11 @@ __all__ = [
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, png: bool = True) -> None:
     """``--quick`` and ``--json PATH`` (every bench), ``--png PATH`` (if it plots)."""
-    parser.add_argument("--quick", action="store_true", help="a short run (a minute or two; the CI-sized configuration)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run (a minute or two; the CI-sized configuration)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     if png:
         parser.add_argument("--png", metavar="PATH", help="write a plot as PNG")
