@@ -41,6 +41,7 @@ import numpy as np
 
 from ..bench._common import percentiles, print_table, pyplot, write_report
 from ..emu import emulated_wan, parse_duration, parse_rate, unavailable_reason
+from ..handoff import HandoffParams
 from ..integrations.vllm import build_tiny_llama
 from ..recompute import TINY, ReferenceModel, greedy
 
@@ -79,11 +80,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sessions", type=int, default=None, help="sessions per phase")
     parser.add_argument("--turns", type=int, default=4, help="turns per session")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per answer (default 32; 128 with --engine vllm, which decodes at its own"
+        " speed, so that MD's KV lands while RLD is still decoding)",
+    )
     parser.add_argument("--rtt", default="30ms")
-    parser.add_argument("--rate", default="25mbit")
+    parser.add_argument(
+        "--rate",
+        default=None,
+        help="WAN rate (default 25mbit; 50mbit with --engine vllm, whose KV is 2 KiB/token)",
+    )
     parser.add_argument("--loss", default="0")
     parser.add_argument("--step-ms", type=float, default=20.0, help="paced decode step")
+    parser.add_argument(
+        "--catchup-threshold",
+        type=int,
+        default=None,
+        help="hand over in one shot when at most this many eager tokens are pending once MD's"
+        " KV lands (default: HandoffParams' 64; 16 with --engine vllm, whose extend costs"
+        " one engine step whatever its size, so catch-up runs on the demo's short answers)",
+    )
     parser.add_argument("--loopback", action="store_true", help="skip the emulated WAN")
     parser.add_argument(
         "--local-path",
@@ -99,20 +118,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rate(args: argparse.Namespace) -> str:
+    return str(args.rate or ("50mbit" if args.engine == "vllm" else "25mbit"))
+
+
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "blocks": 8192,
         "step_time_s": args.step_ms / 1000,
         "rtt_s": parse_duration(args.rtt),
-        "rate_bps": parse_rate(args.rate),
+        "rate_bps": parse_rate(_rate(args)),
         "ttft_target_s": 0.15,
         "sessions": args.sessions or (4 if args.quick else 8),
         "turns": args.turns,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens or (128 if args.engine == "vllm" else 32),
         "seed": 7,
         "request_timeout_s": 60.0,
         "local_path": args.local_path,
         "engine": args.engine,
+        "catchup_threshold": args.catchup_threshold
+        or (16 if args.engine == "vllm" else HandoffParams().catchup_threshold),
         # vLLM: its start-up (tens of seconds on 2 cores) comes before the rendezvous
         "join_timeout_s": 300.0 if args.engine == "vllm" else 30.0,
         "phase_timeout_s": 600.0,
@@ -178,7 +203,7 @@ def _run(
         out[name] = json.loads(path.read_text())
 
     if reason is None:
-        with emulated_wan(args.rtt, rate=args.rate, loss=args.loss, mtu=1500) as wan:
+        with emulated_wan(args.rtt, rate=_rate(args), loss=args.loss, mtu=1500) as wan:
             hosts = {"prefill": wan.p, "relay": wan.rld, "main": wan.md}
             addrs = {r: h.addr for r, h in hosts.items()}
             for i, name in enumerate(_PHASES):
@@ -186,7 +211,7 @@ def _run(
                 ports = {r: 5550 + 3 * i + j for j, r in enumerate(_ROLES)}
                 phase(name, addrs, ports, {r: h.spawn for r, h in hosts.items()})
         return (
-            f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {args.rate}, loss {args.loss}",
+            f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {_rate(args)}, loss {args.loss}",
             out,
         )
     print(

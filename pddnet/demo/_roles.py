@@ -57,7 +57,11 @@ async def serve_decoder(role: str, cfg: dict[str, Any], pool: KVPool, engine: De
     """RLD or MD over ``engine`` (landing KV in ``pool``), joined to P's rendezvous."""
     cls = RelayEndpoint if role == "relay" else MainEndpoint
     other = "main" if role == "relay" else "relay"
-    params = HandoffParams(rtt_s=cfg["rtt_s"], recompute_rate=20000.0)
+    params = HandoffParams(
+        rtt_s=cfg["rtt_s"],
+        recompute_rate=20000.0,
+        catchup_threshold=cfg["catchup_threshold"],
+    )
     # The relay's local path: UCX (ucxx) or TCP, as the demo's --local-path
     # says (the demo prints its choice; RelayEndpoint warns only for its own).
     receiver = None
