@@ -16,7 +16,7 @@ likes); :class:`ReferenceEngine` does so with pddnet's reference model. A
 complete, ordered streams or typed errors. See docs/embedding.md.
 """
 
-from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_id
+from ._decode import DecodeStatistics, MainEndpoint, RelayEndpoint, new_request_id, stats_payload
 from ._engine import DecodeEngine, DecodeRequest, ReferenceEngine, TokenCallback
 from ._info import EndpointInfo, Rendezvous
 from ._lease import Lease, LeaseTable
@@ -78,4 +78,5 @@ __all__ = [
     "TokenSink",
     "TokenStream",
     "new_request_id",
+    "stats_payload",
 ]

@@ -34,6 +34,7 @@ from ..api import (
     StatsReply,
     StatsRequest,
     new_request_id,
+    stats_payload,
 )
 from ..control import load_secret
 from ..handoff import DecodeEngine, HandoffParams
@@ -140,16 +141,37 @@ async def prefill(cfg: dict[str, Any]) -> None:
                 for reqs in sessions:
                     phase_nursery.start_soon(_session, p, model, front, phase, reqs, route, cfg)
             print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
-            stats = {}
-            for peer in ("relay", "main"):
-                reply = await p.node.request(peer, StatsRequest(), timeout=10)
-                assert isinstance(reply, StatsReply)
-                stats[peer] = msgpack.unpackb(reply.payload)
-            stats["p"] = msgpack.unpackb(p._on_stats("p", StatsRequest()).payload)
+            stats = await phase_stats(p)
             results = list(front.records.values())
             with open(cfg["out"], "w") as f:
                 json.dump({"requests": results, "stats": stats}, f)
             nursery.cancel_scope.cancel()
+
+
+async def phase_stats(p: PrefillEndpoint) -> dict[str, Any]:
+    """Every role's counters at the end of a phase (the decoders' by request)."""
+    stats: dict[str, Any] = {}
+    for peer in ("relay", "main"):
+        reply = await p.node.request(peer, StatsRequest(), timeout=10)
+        assert isinstance(reply, StatsReply)
+        stats[peer] = msgpack.unpackb(reply.payload)
+    stats["p"] = msgpack.unpackb(stats_payload(p.statistics(), p.router.decisions()))
+    return stats
+
+
+def new_record(rid: int, phase: str, req: DemoRequest) -> dict[str, Any]:
+    """The timeline record of one request, before it runs."""
+    return {
+        "request_id": rid,
+        "phase": phase,
+        "session": req.session,
+        "turn": req.turn,
+        "prompt": list(req.prompt),
+        "max_tokens": req.max_tokens,
+        "tokens": [],
+        "outcome": None,
+        "t0": time.monotonic(),
+    }
 
 
 async def _session(
@@ -166,17 +188,7 @@ async def _session(
     for req in reqs:
         rid = new_request_id()
         front.released.setdefault(rid, trio.Event())
-        rec: dict[str, Any] = {
-            "request_id": rid,
-            "phase": phase,
-            "session": req.session,
-            "turn": req.turn,
-            "prompt": list(req.prompt),
-            "max_tokens": req.max_tokens,
-            "tokens": [],
-            "outcome": None,
-            "t0": time.monotonic(),
-        }
+        rec = new_record(rid, phase, req)
         t0 = trio.current_time()
         front.records[rid] = rec
         # P's own prefix cache: only the new part of the prompt is prefilled

@@ -30,15 +30,12 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import trio
 
 from .._errors import PddnetError
 from ..api import (
     PrefillEndpoint,
     Rendezvous,
-    StatsReply,
-    StatsRequest,
     SyncEndpoint,
     new_request_id,
 )
@@ -52,7 +49,7 @@ from ..integrations.vllm import (
 )
 from ..integrations.vllm._prefill_connector import PrefillKVConnector
 from ..route import LinkEstimate, Route, RoutePolicy, Router
-from ._roles import serve_decoder
+from ._roles import new_record, phase_stats, serve_decoder
 from ._workload import DemoRequest, make_sessions
 
 # The workload's longest prompt (1200 + 3 * 48 tokens) plus its answer fits;
@@ -196,13 +193,7 @@ async def _frontend(
         for reqs in sessions:
             nursery.start_soon(_session, p, prefills, records, phase, reqs, route, cfg)
     print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
-    stats = {}
-    for peer in ("relay", "main"):
-        reply = await p.node.request(peer, StatsRequest(), timeout=10)
-        assert isinstance(reply, StatsReply)
-        stats[peer] = msgpack.unpackb(reply.payload)
-    stats["p"] = msgpack.unpackb(p._on_stats("p", StatsRequest()).payload)
-    return {"requests": list(records.values()), "stats": stats}
+    return {"requests": list(records.values()), "stats": await phase_stats(p)}
 
 
 async def _session(
@@ -216,17 +207,7 @@ async def _session(
 ) -> None:
     for req in reqs:
         rid = new_request_id()
-        rec: dict[str, Any] = {
-            "request_id": rid,
-            "phase": phase,
-            "session": req.session,
-            "turn": req.turn,
-            "prompt": list(req.prompt),
-            "max_tokens": req.max_tokens,
-            "tokens": [],
-            "outcome": None,
-            "t0": time.monotonic(),
-        }
+        rec = new_record(rid, phase, req)
         records[rid] = rec
         t0 = trio.current_time()
         stream = p.sink.open(rid, deadline_s=cfg["request_timeout_s"], max_tokens=req.max_tokens)
