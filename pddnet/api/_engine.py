@@ -107,12 +107,6 @@ class ReferenceEngine:
         rid, toks = request.request_id, request.tokens
         if rid in self._runs:
             raise LocalProtocolError("the request is already running", request_id=rid)
-        if not 0 <= request.kv_tokens < len(toks) or request.max_new_tokens < 1:
-            raise LocalProtocolError(
-                f"continue {len(toks)} tokens with KV for {request.kv_tokens},"
-                f" {request.max_new_tokens} new",
-                request_id=rid,
-            )
         seq = PagedSequence(np.asarray(request.block_table, np.int32), request.kv_tokens)
         if seq.capacity(self.model.block_size) < len(toks) + request.max_new_tokens - 1:
             raise LocalProtocolError("the block table cannot hold the request", request_id=rid)

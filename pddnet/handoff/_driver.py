@@ -339,17 +339,17 @@ class HandoffDriver:
 
     def _start_engine(self) -> None:
         req = self.request
-        self._run += 1
-        run, prev = self._run, self._run_ended
-        self._run_ended = ended = trio.Event()
-        self._engine_on = True
-        continued = DecodeRequest(
+        continued = DecodeRequest(  # (checked before any state changes)
             req.request_id,
             (*req.prompt, *self._stream),
             self._kv,
             req.block_table,
             req.max_tokens - len(self._stream),
         )
+        self._run += 1
+        run, prev = self._run, self._run_ended
+        self._run_ended = ended = trio.Event()
+        self._engine_on = True
         self._nursery.start_soon(self._run_engine, run, continued, prev, ended)
 
     async def _run_engine(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .._errors import LocalProtocolError
 from ._events import FinishReason
 
 __all__ = ["DecodeEngine", "DecodeRequest", "TokenCallback"]
@@ -42,6 +43,9 @@ class DecodeRequest:
             through :meth:`DecodeEngine.allocate` and frees them itself).
         max_new_tokens: the engine produces at most this many tokens; the
             last one carries ``FinishReason.MAX_TOKENS``.
+
+    Raises:
+        LocalProtocolError: if no token lacks KV, or no token is asked for.
     """
 
     request_id: int
@@ -49,6 +53,14 @@ class DecodeRequest:
     kv_tokens: int
     block_table: tuple[int, ...]
     max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_tokens < len(self.tokens) or self.max_new_tokens < 1:
+            raise LocalProtocolError(
+                f"continue {len(self.tokens)} tokens with KV for {self.kv_tokens},"
+                f" {self.max_new_tokens} new",
+                request_id=self.request_id,
+            )
 
 
 class DecodeEngine(Protocol):

@@ -212,12 +212,6 @@ class VllmDecodeEngine:
             raise LocalProtocolError("the vLLM engine is not started", request_id=rid)
         if rid in self._runs:
             raise LocalProtocolError("the request is already running", request_id=rid)
-        if not 0 <= request.kv_tokens < len(toks) or request.max_new_tokens < 1:
-            raise LocalProtocolError(
-                f"continue {len(toks)} tokens with KV for {request.kv_tokens},"
-                f" {request.max_new_tokens} new",
-                request_id=rid,
-            )
         if len(toks) + request.max_new_tokens > self.max_model_len:
             raise LocalProtocolError(
                 f"{len(toks)} + {request.max_new_tokens} tokens exceed vLLM's"
