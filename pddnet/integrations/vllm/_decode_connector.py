@@ -16,8 +16,9 @@ the first ``n`` tokens' KV is in those staged blocks.
    to the staged blocks by position (block ``j`` holds tokens ``[32j, 32j+32)``
    on both sides), go to the worker side in ``build_connector_meta``.
 3. Worker side, ``start_load_kv`` (before the step's forward pass, as vLLM
-   runs synchronous loads): copy them, one slice copy per layer per run of
-   blocks consecutive on both sides. vLLM's forward pass then computes every
+   runs synchronous loads): copy them with ``copy_blocks`` (fused pools: one
+   assignment over all layers per run of consecutive source blocks, an index
+   array for scattered destinations). vLLM's forward pass then computes every
    token past the load (MD's recompute of RLD's eager tokens is that extend),
    overwriting the tail slots of the last loaded block with the same values.
 
