@@ -19,8 +19,11 @@ reader sees ``POLLOUT``. Nothing polls in a loop, and no thread is used.
 Frames are authenticated (:func:`pddnet.wire.decode_frame`) and checked for
 replay per socket, sender and path (:class:`~pddnet.control._paths.PathGuard`).
 A forged, tampered, malformed or replayed frame is dropped, counted in
-:meth:`ControlNode.statistics` and logged once per peer and reason; it is
-never delivered. Replies resolve the waiting :meth:`request`; requests and
+:meth:`ControlNode.statistics` and logged at most once a second per reason
+(the next line says how many were suppressed); it is never delivered.
+Nothing a stranger sends is remembered per stranger: the replay guards and
+twin routes grow only for senders whose frames authenticated, and the log
+limiter keeps one entry per reason. Replies resolve the waiting :meth:`request`; requests and
 events go, in arrival order, through a bounded inbox to one dispatcher task
 that runs the routed handler. A full inbox stops the readers, so zmq's
 high-water marks push back on senders: nothing is dropped for lack of room.
@@ -72,6 +75,7 @@ from .._errors import (
     RemoteProtocolError,
     TransferTimeout,
 )
+from .._ratelog import LogLimiter
 from ..wire import (
     ControlLimits,
     ErrorReply,
@@ -240,7 +244,7 @@ class ControlNode:
         )
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
-        self._warned: set[tuple[str, str]] = set()
+        self._log = LogLimiter(log)  # keyed by reason, never by (unauthenticated) peer
         self._stats = dict.fromkeys(ControlStatistics.__dataclass_fields__, 0)
         self.address = ""
 
@@ -348,7 +352,9 @@ class ControlNode:
         try:
             done, unsupported = tune_fd(fd, endpoint, accepted, options)
         except OSError as exc:
-            log.warning("%s: cannot tune TCP connection %s: %s", self.name, endpoint, exc)
+            self._log.warning(
+                "tune", "%s: cannot tune TCP connection %s: %s", self.name, endpoint, exc
+            )
             return
         for name in unsupported:
             self._tcp_unsupported.add(name)
@@ -695,9 +701,9 @@ class ControlNode:
 
     def _reject(self, reason: str, peer: str, detail: str) -> None:
         self._stats[f"rejected_{reason}"] += 1
-        if (peer, reason) not in self._warned:
-            self._warned.add((peer, reason))
-            log.warning("%s: dropped %s control frame from %s: %s", self.name, reason, peer, detail)
+        self._log.warning(
+            reason, "%s: dropped %s control frame from %s: %s", self.name, reason, peer, detail
+        )
 
     async def _dispatcher(self) -> None:
         async for pump, peer, frame in self._inbox_recv:
