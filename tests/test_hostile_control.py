@@ -31,7 +31,7 @@ def _stranger_frames(ident: bytes) -> list[bytes]:
 
 
 async def _flood(address: str, strangers: int) -> None:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     for start in range(0, strangers, K_BATCH):
         socks = []
         for i in range(start, min(start + K_BATCH, strangers)):
