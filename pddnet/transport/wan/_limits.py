@@ -18,8 +18,9 @@ What each bound protects (docs/wan.md, "Limits", has the table):
   connection reads one chunk at a time, so this also bounds the chunks in
   progress (at most ``max_connections``, each at most ``max_chunk`` bytes,
   written straight into granted memory, nothing buffered);
-* ``max_handshakes``: connections still in TLS or authentication (strangers
-  have not proved anything yet: their slots are few and time-bounded);
+* ``max_handshakes`` / ``max_handshakes_per_peer``: connections still in TLS
+  or authentication (strangers have not proved anything yet: their slots are
+  few and time-bounded, and one address cannot take them all);
 * ``body_timeout``: a chunk header followed by a slow or absent payload
   (slowloris) holds its connection and its byte range at most this long.
 """
@@ -42,6 +43,11 @@ class WanLimits:
     :meth:`WanReceiver.grant` for the grant bounds, and the remote IP address
     for the connection bounds.
 
+    The receiver also keeps ``max_connections`` to at most half, and
+    ``max_handshakes`` and ``max_handshakes_per_peer`` to at most a sixteenth,
+    of the process's descriptor limit (soft ``RLIMIT_NOFILE``), even where they
+    are None, so that its connections alone cannot exhaust it.
+
     Args:
         max_transfers: live grants at once.
         max_transfers_per_peer: live grants of one peer at once.
@@ -50,6 +56,7 @@ class WanLimits:
         max_connections: data connections at once (handshaking or not).
         max_connections_per_peer: data connections from one IP address.
         max_handshakes: connections still in TLS/authentication at once.
+        max_handshakes_per_peer: of those, from one IP address.
         body_timeout: seconds from a chunk header to the end of its payload.
     """
 
@@ -60,6 +67,7 @@ class WanLimits:
     max_connections: int | None = 1024
     max_connections_per_peer: int | None = 256
     max_handshakes: int | None = 64
+    max_handshakes_per_peer: int | None = 32
     body_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:

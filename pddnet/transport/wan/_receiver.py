@@ -10,13 +10,24 @@ A fresh connection first passes the connection bounds of :class:`WanLimits`
 (else it is closed unread), then, if configured, the TLS handshake
 (:class:`TlsConfig`), then the challenge-response under the shared secret
 (inside TLS when both are on); only then is a chunk header read.
+
+The accept loop outlives descriptor exhaustion: when ``accept`` fails for
+lack of descriptors or kernel memory (``EMFILE``, ``ENFILE``, ``ENOBUFS``,
+``ENOMEM``) the pending connection stays in the kernel's backlog, so the loop
+backs off (10 ms, doubling to 250 ms) instead of spinning or dying, logs at
+most once a second, and resumes as soon as descriptors free up. The
+connection bounds are kept well below ``RLIMIT_NOFILE`` (see
+:class:`WanLimits`) so that this receiver's own connections cannot cause it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import logging
 import math
+import resource
 import secrets
 import socket
 import ssl
@@ -35,6 +46,7 @@ from ..._errors import (
     ResourceLimitError,
     TransferCancelled,
 )
+from ..._ratelog import LogLimiter
 from ...kv import ByteRanges
 from ...wire import K_CHUNK_HEADER_SIZE, ChunkHeader
 from ...wire._auth import K_AUTH_MAGIC, AuthFrame, AuthKind, AuthRole
@@ -56,6 +68,25 @@ K_DEFAULT_BUFFER = 32 << 20
 K_SCRATCH = 1 << 20
 _TLS_HANDSHAKE = 0x16  # the content type of a TLS handshake record: a ClientHello's first byte
 _SOCKET_ERRORS = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
+# accept() failed for want of descriptors or memory: the connection waits in the backlog
+_ACCEPT_CAPACITY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# accept() reports a pending error of the new connection (accept(2), Linux): skip it
+_ACCEPT_TRANSIENT = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.EPROTO,
+        errno.ENETDOWN,
+        errno.ENOPROTOOPT,
+        errno.EHOSTDOWN,
+        errno.ENONET,
+        errno.EHOSTUNREACH,
+        errno.EOPNOTSUPP,
+        errno.ENETUNREACH,
+        errno.EPERM,
+    }
+)
+K_ACCEPT_BACKOFF_MIN = 0.01
+K_ACCEPT_BACKOFF_MAX = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +103,7 @@ class ReceiverStatistics:
     tls_failures: int = 0
     auth_failures: int = 0
     limit_rejections: int = 0
+    accept_stalls: int = 0  # accept() failures for want of descriptors (EMFILE, ENFILE, ...)
 
 
 @dataclass(eq=False)
@@ -149,6 +181,9 @@ class WanReceiver(Receiver):
         self.tls = tls
         self._tls_ctx = tls.server_context() if tls is not None else None
         self.limits = WanLimits() if limits is None else limits
+        self._admission = _fd_bounded(self.limits)
+        self.accept_stalls = 0  # accept() calls that failed for want of descriptors
+        self._log = LogLimiter(log)
         self.auth_failures = 0
         self.tls_failures = 0
         self.limit_rejections = 0
@@ -156,6 +191,7 @@ class WanReceiver(Receiver):
         self._conn_count = 0  # accepted and not yet closed, handshaking or not
         self._conns_per_ip: dict[str, int] = {}
         self._handshakes = 0
+        self._handshakes_per_ip: dict[str, int] = {}
         self._table = GrantTable(max_chunk, self.limits)
         self._waiters: dict[int, _Waiter] = {}
         self._ended: dict[int, _Waiter] = {}
@@ -305,6 +341,7 @@ class WanReceiver(Receiver):
             tls_failures=self.tls_failures,
             auth_failures=self.auth_failures,
             limit_rejections=self.limit_rejections,
+            accept_stalls=self.accept_stalls,
         )
 
     def peer_usage(self, peer: str) -> tuple[int, int]:
@@ -355,11 +392,33 @@ class WanReceiver(Receiver):
             with contextlib.suppress(OSError, trio.ClosedResourceError, trio.BrokenResourceError):
                 await c.send_frame(frame)
 
+    async def _accept(self) -> socket.socket:
+        """The next connection; waits out descriptor exhaustion (see the module doc)."""
+        backoff = K_ACCEPT_BACKOFF_MIN
+        while True:
+            try:
+                return await accept(self._listener)
+            except OSError as exc:
+                if exc.errno in _ACCEPT_TRANSIENT:
+                    continue
+                if exc.errno not in _ACCEPT_CAPACITY:
+                    raise
+                self.accept_stalls += 1
+                self._log.warning(
+                    "accept",
+                    "WAN receiver %s cannot accept (%s); retrying in %.0f ms",
+                    self.address,
+                    errno.errorcode.get(exc.errno or 0, exc.errno),
+                    backoff * 1e3,
+                )
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, K_ACCEPT_BACKOFF_MAX)
+
     async def _accept_loop(self) -> None:
         assert self._nursery is not None
         try:
             while True:
-                sock = await accept(self._listener)
+                sock = await self._accept()
                 try:
                     ip = str(sock.getpeername()[0])
                     tune_socket(
@@ -383,29 +442,32 @@ class WanReceiver(Receiver):
 
     def _admit(self, ip: str) -> None:
         """Count a new connection from ``ip``, or raise if it passes a bound."""
-        lim = self.limits
+        lim = self._admission
         per_ip = self._conns_per_ip.get(ip, 0)
         check(lim, "max_connections", self._conn_count, 1, peer=ip)
         check(lim, "max_connections_per_peer", per_ip, 1, peer=ip)
         if self._tls_ctx is not None or self.secret is not None:
+            shaking = self._handshakes_per_ip.get(ip, 0)
             check(lim, "max_handshakes", self._handshakes, 1, peer=ip)
+            check(lim, "max_handshakes_per_peer", shaking, 1, peer=ip)
             self._handshakes += 1
+            self._handshakes_per_ip[ip] = shaking + 1
         self._conn_count += 1
         self._conns_per_ip[ip] = per_ip + 1
 
     def _release(self, ip: str) -> None:
         self._conn_count -= 1
-        n = self._conns_per_ip.pop(ip) - 1
-        if n:
-            self._conns_per_ip[ip] = n
+        _decrement(self._conns_per_ip, ip)
 
     def _refused(self, exc: WanLimitExceeded) -> None:
         self.limit_rejections += 1
         self.last_limit_error = exc
-        if self.limit_rejections == 1 or self.limit_rejections % 1000 == 0:
-            log.warning(
-                "WAN receiver refused a connection (%d so far): %s", self.limit_rejections, exc
-            )
+        self._log.warning(
+            "refused",
+            "WAN receiver refused a connection (%d so far): %s",
+            self.limit_rejections,
+            exc,
+        )
 
     async def _handshake(self, sock: Any) -> Any:
         """TLS, then the challenge-response; returns the socket to use or None."""
@@ -472,6 +534,7 @@ class WanReceiver(Receiver):
                     sock = await self._handshake(sock)
                 finally:
                     self._handshakes -= 1
+                    _decrement(self._handshakes_per_ip, ip)
                 if sock is None:
                     return
             await self._serve_authenticated(sock)
@@ -612,3 +675,32 @@ class WanReceiver(Receiver):
             log.debug("WAN session %x stream %d connected", frame.transfer_id, frame.offset)
         else:
             raise RemoteProtocolError(f"unexpected {frame.kind.name} frame from a sender")
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts.pop(key) - 1
+    if n:
+        counts[key] = n
+
+
+def _fd_bounded(limits: WanLimits) -> WanLimits:
+    """``limits`` with the connection bounds kept below the descriptor limit.
+
+    At most half of ``RLIMIT_NOFILE`` (soft) for connections and a sixteenth
+    for handshakes, leaving the rest to the process (control plane, files,
+    other receivers) so that strangers alone cannot exhaust it.
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return limits
+    caps = {
+        "max_connections": max(1, soft // 2),
+        "max_handshakes": max(1, soft // 16),
+        "max_handshakes_per_peer": max(1, soft // 16),
+    }
+    changes = {
+        name: cap
+        for name, cap in caps.items()
+        if getattr(limits, name) is None or getattr(limits, name) > cap
+    }
+    return dataclasses.replace(limits, **changes) if changes else limits
