@@ -33,6 +33,7 @@ from ..api import (
     Rendezvous,
     StatsReply,
     StatsRequest,
+    TokenStream,
     new_request_id,
     stats_payload,
 )
@@ -174,6 +175,25 @@ def new_record(rid: int, phase: str, req: DemoRequest) -> dict[str, Any]:
     }
 
 
+async def await_outcome(rec: dict[str, Any], stream: TokenStream) -> None:
+    """Wait for the request's whole stream; its outcome goes in ``rec``."""
+    try:
+        await stream.result()
+        rec["outcome"] = "finished"
+    except PddnetError as exc:
+        rec["outcome"] = f"error: {type(exc).__name__}: {exc}"
+
+
+def close_record(rec: dict[str, Any], stream: TokenStream, t0: float) -> None:
+    """The request is over (or timed out): its tokens and time, and a line of progress."""
+    rec["tokens"] = [[t.time - t0, t.position, t.token, t.source] for t in stream.received]
+    rec["elapsed_s"] = time.monotonic() - rec["t0"]
+    print(
+        f"p: [{rec['phase']}] session {rec['session']} turn {rec['turn']}: {rec['outcome']}",
+        flush=True,
+    )
+
+
 async def _session(
     p: PrefillEndpoint,
     model: ReferenceModel,
@@ -222,15 +242,9 @@ async def _session(
             blocks=len(blocks),
         )
         with trio.move_on_after(cfg["request_timeout_s"]):
-            try:
-                await stream.result()
-                rec["outcome"] = "finished"
-            except PddnetError as exc:
-                rec["outcome"] = f"error: {type(exc).__name__}: {exc}"
+            await await_outcome(rec, stream)
             await front.released[rid].wait()  # the next turn rewrites the shared tail block
-        rec["tokens"] = [[t.time - t0, t.position, t.token, t.source] for t in stream.received]
-        rec["elapsed_s"] = time.monotonic() - rec["t0"]
-        print(f"p: [{phase}] session {req.session} turn {req.turn}: {rec['outcome']}", flush=True)
+        close_record(rec, stream, t0)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ from typing import Any
 
 import trio
 
-from .._errors import PddnetError
 from ..api import (
     PrefillEndpoint,
     Rendezvous,
@@ -49,7 +48,7 @@ from ..integrations.vllm import (
 )
 from ..integrations.vllm._prefill_connector import PrefillKVConnector
 from ..route import LinkEstimate, Route, RoutePolicy, Router
-from ._roles import new_record, phase_stats, serve_decoder
+from ._roles import await_outcome, close_record, new_record, phase_stats, serve_decoder
 from ._workload import DemoRequest, make_sessions
 
 # The workload's longest prompt (1200 + 3 * 48 tokens) plus its answer fits;
@@ -215,19 +214,13 @@ async def _session(
         # then the connector submits it to pddnet
         prefills.put((rid, list(req.prompt), req.max_tokens, route.name if route else None))
         with trio.move_on_after(cfg["request_timeout_s"]):
-            try:
-                await stream.result()
-                rec["outcome"] = "finished"
-            except PddnetError as exc:
-                rec["outcome"] = f"error: {type(exc).__name__}: {exc}"
+            await await_outcome(rec, stream)
             while rid in p.leases:  # as the reference demo: the next turn follows the release
                 await trio.sleep(0.01)
         decision = next((d for d in p.router.decisions() if d.request_id == rid), None)
         if decision is not None:
             rec.update(route=decision.route.value, reason=decision.reason.name)
-        rec["tokens"] = [[t.time - t0, t.position, t.token, t.source] for t in stream.received]
-        rec["elapsed_s"] = time.monotonic() - rec["t0"]
-        print(f"p: [{phase}] session {req.session} turn {req.turn}: {rec['outcome']}", flush=True)
+        close_record(rec, stream, t0)
 
 
 # -------------------------------------------------------------- RLD / MD
