@@ -43,7 +43,7 @@ ZERO_IDS: set[int] = set()  # in the child: pddnet ids whose KV is zeroed before
 # ----------------------------------------------------------------- the P child
 def _child_connector() -> Any:
     """PrefillKVConnector that zeroes the blocks of the requests in ZERO_IDS first."""
-    from pddnet.integrations.vllm._prefill_connector import PrefillKVConnector
+    from pddnet.integrations.vllm.connectors import PrefillKVConnector
 
     class ZeroingConnector(PrefillKVConnector):
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -186,14 +186,14 @@ def _child() -> None:
     if mode == "prefill":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PrefillKVConnector",
-            kv_connector_module_path="pddnet.integrations.vllm._prefill_connector",
+            kv_connector_module_path="pddnet.integrations.vllm.connectors",
             kv_role="kv_producer",
             kv_connector_extra_config={"name": "p0", "secret": "pddnet-bench-vllm-secret"},
         )
     elif mode == "decode":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="DecodeKVConnector",
-            kv_connector_module_path="pddnet.integrations.vllm._decode_connector",
+            kv_connector_module_path="pddnet.integrations.vllm.connectors",
             kv_role="kv_consumer",
             kv_connector_extra_config={"staging_path": staging, "staging_blocks": 1024},
         )

@@ -7,11 +7,11 @@ instance over the tiny Llama checkpoint ``cfg["model"]``
 (:func:`~pddnet.integrations.vllm.build_tiny_llama`), one OS process per role
 (vLLM's worker-side connector is a process-wide singleton):
 
-* ``prefill``: vLLM with :class:`DemoPrefillConnector` (P's connector with
-  the demo's router and WAN options). The main thread owns vLLM and steps
-  it; the front end (sessions, the user's token streams through P's sink)
-  runs on the P endpoint's own trio thread, and asks the main thread for
-  each prefill through a queue (a vLLM request with ``max_tokens=1`` whose
+* ``prefill``: vLLM with P's connector, whose ``kv_connector_extra_config``
+  carries the demo's router, link estimate and WAN options. The main thread
+  owns vLLM and steps it; the front end (sessions, the user's token streams
+  through P's sink) runs on the P endpoint's own trio thread, and asks the
+  main thread for each prefill through a queue (a vLLM request with ``max_tokens=1`` whose
   ``kv_transfer_params`` name the pddnet request).
 * ``relay`` / ``main``: :class:`~pddnet.integrations.vllm.VllmDecodeEngine`
   behind the demo's RelayEndpoint / MainEndpoint (:func:`~._roles.serve_decoder`).
@@ -42,12 +42,10 @@ from ..integrations.vllm import (
     VllmDecodeEngine,
     apply_cpu_env,
     cpu_engine_kwargs,
-    kv_pool_from_vllm,
     reference_config,
     run_greedy,
 )
-from ..integrations.vllm._prefill_connector import PrefillKVConnector
-from ..route import LinkEstimate, Route, RoutePolicy, Router
+from ..route import Route
 from ._roles import await_outcome, close_record, new_record, phase_stats, serve_decoder
 from ._workload import DemoRequest, make_sessions
 
@@ -59,33 +57,6 @@ K_MAX_MODEL_LEN = 2048
 def engine_kwargs(model: str, **overrides: Any) -> dict[str, Any]:
     """vLLM's arguments for every role and the oracle: the same model and numerics."""
     return cpu_engine_kwargs(model, max_model_len=K_MAX_MODEL_LEN, **overrides)
-
-
-class DemoPrefillConnector(PrefillKVConnector):
-    """:class:`PrefillKVConnector` whose endpoint has the demo's router and WAN senders.
-
-    ``kv_connector_extra_config["demo"]`` is the role's config (the control
-    address, the link and routing figures). The base connector builds its
-    endpoint with the default router and WAN options only.
-    """
-
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        cfg = self._extra["demo"]
-        pool = kv_pool_from_vllm(kv_caches)
-        policy = RoutePolicy(
-            ttft_target_s=cfg["ttft_target_s"], rld_decode_rate=1 / cfg["step_time_s"]
-        )
-        router = Router(policy, LinkEstimate(cfg["rate_bps"] / 8, cfg["rtt_s"]))
-        self.endpoint = SyncEndpoint(
-            lambda: PrefillEndpoint(
-                "p",
-                pool,
-                engine_id="p",
-                control_bind=cfg["control"],
-                router=router,
-                wan_options={"streams": 4},
-            )
-        ).start()
 
 
 # --------------------------------------------------------------------- P
@@ -100,10 +71,19 @@ def prefill(cfg: dict[str, Any]) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     kv = KVTransferConfig(
-        kv_connector="DemoPrefillConnector",
-        kv_connector_module_path="pddnet.demo._vllm_roles",
+        kv_connector="PrefillKVConnector",
+        kv_connector_module_path="pddnet.integrations.vllm.connectors",
         kv_role="kv_producer",
-        kv_connector_extra_config={"name": "p", "demo": cfg},
+        kv_connector_extra_config={
+            "name": "p",
+            "control_bind": cfg["control"],
+            "router": {
+                "ttft_target_s": cfg["ttft_target_s"],
+                "rld_decode_rate": 1 / cfg["step_time_s"],
+            },
+            "link": {"bandwidth_bytes_s": cfg["rate_bps"] / 8, "rtt_s": cfg["rtt_s"]},
+            "wan_options": {"streams": 4},
+        },
     )
     engine = vllm.LLMEngine.from_engine_args(
         vllm.EngineArgs(**engine_kwargs(cfg["model"], kv_transfer_config=kv))

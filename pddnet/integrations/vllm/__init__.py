@@ -16,8 +16,13 @@ This package imports without vLLM installed; only what runs an engine needs it.
   in-process vLLM engine, whose :class:`DecodeKVConnector` loads the KV pddnet
   landed into vLLM's blocks (:func:`copy_blocks`).
 
-The connector modules (``_prefill_connector``, ``_decode_connector``) import
-vLLM, so they are not imported here; vLLM loads them by module path.
+* :class:`PrefillConnectorConfig` reads and checks P's connector's
+  ``kv_connector_extra_config`` (router, link estimate, WAN options, deadline).
+
+The connectors themselves (:mod:`pddnet.integrations.vllm.connectors`:
+``PrefillKVConnector``, ``DecodeKVConnector``) import vLLM, so they are not
+imported here; vLLM loads them by module path,
+``kv_connector_module_path="pddnet.integrations.vllm.connectors"``.
 
 docs/vllm.md describes vLLM's KV connector interface and how pddnet's roles map
 onto it.
@@ -26,6 +31,7 @@ onto it.
 from ._decode_engine import K_STAGING_BLOCKS, VllmDecodeEngine, VllmEngineError
 from ._engine import K_CPU_BLOCK_SIZE, K_CPU_ENV, apply_cpu_env, cpu_engine_kwargs, run_greedy
 from ._kv import K_VLLM_CPU_INTERIOR, kv_pool_from_vllm, layer_index
+from ._prefill_config import PrefillConnectorConfig
 from ._staging import copy_blocks, open_staging
 from ._tiny import K_TINY_SEED, build_tiny_llama, reference_config, tail_period
 
@@ -35,6 +41,7 @@ __all__ = [
     "K_STAGING_BLOCKS",
     "K_TINY_SEED",
     "K_VLLM_CPU_INTERIOR",
+    "PrefillConnectorConfig",
     "VllmDecodeEngine",
     "VllmEngineError",
     "apply_cpu_env",

@@ -85,7 +85,7 @@ class DecodeKVConnector(_v1.KVConnectorBase_V1):
     """pddnet's RLD / MD role as a vLLM KV connector (``kv_role="kv_consumer"``).
 
     Configure with ``KVTransferConfig(kv_connector="DecodeKVConnector",
-    kv_connector_module_path="pddnet.integrations.vllm._decode_connector",
+    kv_connector_module_path="pddnet.integrations.vllm.connectors",
     kv_role="kv_consumer", kv_connector_extra_config={"staging_path": ...,
     "staging_blocks": ...})``; :class:`VllmDecodeEngine` does.
     """

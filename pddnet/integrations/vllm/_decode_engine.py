@@ -320,7 +320,7 @@ class VllmDecodeEngine:
         config = require("vllm.config")
         kv = config.KVTransferConfig(
             kv_connector="DecodeKVConnector",
-            kv_connector_module_path="pddnet.integrations.vllm._decode_connector",
+            kv_connector_module_path="pddnet.integrations.vllm.connectors",
             kv_role="kv_consumer",
             kv_connector_extra_config={
                 "staging_path": staging_path,

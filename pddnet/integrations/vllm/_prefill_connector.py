@@ -3,8 +3,9 @@
 The driver adds each request with ``max_tokens=1`` (the token vLLM samples is
 P's first token) and names it for pddnet in ``SamplingParams(extra_args=
 {"kv_transfer_params": {"pddnet": {"request_id": <int>, "max_tokens": <int>,
-"sink": <node>, "route": "P_MD" | "P_RLD_MD" | None}}})``. vLLM renames its
-requests internally, so everything keys on that pddnet id.
+"sink": <node>, "route": "P_MD" | "P_RLD_MD" | None, "deadline_s": <float>}}})``
+(``sink``, ``route`` and ``deadline_s`` optional). vLLM renames its requests
+internally, so everything keys on that pddnet id.
 
 1. Scheduler side, ``request_finished``: a request that finished with its
    token names its prompt, first token and blocks in a hand-off and returns
@@ -28,9 +29,13 @@ singleton (``vllm.distributed.kv_transfer.get_kv_transfer_group()``): that is
 the one object shared outside vLLM's channels, and it needs
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (docs/vllm.md).
 
-``kv_connector_extra_config``: ``name`` (node name, required), ``secret``
-(else ``$PDDNET_SECRET``), ``model_id``, ``control_bind``, ``lease_s``,
-``timeout``, ``sink`` (the default sink node).
+``kv_connector_extra_config`` (checked when the connector is built,
+:class:`~pddnet.integrations.vllm.PrefillConnectorConfig`): ``name`` (node name,
+required), ``secret`` (else ``$PDDNET_SECRET``), ``model_id``,
+``control_bind``, ``lease_s``, ``timeout``, ``sink`` (the default sink node),
+``deadline_s`` (each request's, for ``submit``), ``router`` (RoutePolicy
+fields), ``link`` (the router's LinkEstimate) and ``wan_options`` (WanSender
+options, JSON values).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ..._optional import require
 from ...api import BlocksReleased, PrefillEndpoint, Submission, SyncEndpoint
 from ...route import Route
 from ._kv import kv_pool_from_vllm
+from ._prefill_config import PrefillConnectorConfig
 
 __all__ = ["PrefillConnectorStatistics", "PrefillKVConnector"]
 
@@ -70,6 +76,7 @@ class _Handoff:
     max_tokens: int
     sink: str
     route: Route | None
+    deadline_s: float | None
     finished_at: float  # time.perf_counter() in request_finished
 
 
@@ -102,8 +109,10 @@ class PrefillKVConnector(_v1.KVConnectorBase_V1):
     """pddnet's P role as a vLLM KV connector (``kv_role="kv_producer"``).
 
     Configure with ``KVTransferConfig(kv_connector="PrefillKVConnector",
-    kv_connector_module_path="pddnet.integrations.vllm._prefill_connector",
-    kv_role="kv_producer", kv_connector_extra_config={"name": "p0", ...})``.
+    kv_connector_module_path="pddnet.integrations.vllm.connectors",
+    kv_role="kv_producer", kv_connector_extra_config={"name": "p0", ...})``;
+    the keys are :class:`~pddnet.integrations.vllm.PrefillConnectorConfig`'s. A bad
+    key raises :class:`~pddnet.LocalProtocolError` when vLLM builds it.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -111,9 +120,7 @@ class PrefillKVConnector(_v1.KVConnectorBase_V1):
         cfg = vllm_config.kv_transfer_config
         if not cfg.is_kv_producer or cfg.is_kv_consumer:
             raise LocalProtocolError(f"PrefillKVConnector is P's: kv_role {cfg.kv_role!r}")
-        self._extra = dict(cfg.kv_connector_extra_config)
-        if "name" not in self._extra:
-            raise LocalProtocolError("PrefillKVConnector needs kv_connector_extra_config['name']")
+        self.config = PrefillConnectorConfig.from_extra(cfg.kv_connector_extra_config)
         self._stats: dict[str, Any] = dict.fromkeys(PrefillConnectorStatistics.__slots__, 0)
         # scheduler side
         self._handoffs: list[_Handoff] = []
@@ -149,7 +156,7 @@ class PrefillKVConnector(_v1.KVConnectorBase_V1):
             raise LocalProtocolError(
                 "a finished prefill has no sampled token", request_id=request.request_id
             )
-        route = params.get("route")
+        route, deadline = params.get("route"), params.get("deadline_s")
         rid = int(params["request_id"])
         self._handoffs.append(
             _Handoff(
@@ -159,8 +166,9 @@ class PrefillKVConnector(_v1.KVConnectorBase_V1):
                 int(request.output_token_ids[0]),
                 tuple(int(b) for b in block_ids),
                 int(params["max_tokens"]),
-                str(params.get("sink") or self._extra.get("sink", "")),
+                str(params.get("sink") or self.config.sink),
                 Route[route] if route else None,
+                float(deadline) if deadline is not None else self.config.deadline_s,
                 started,
             )
         )
@@ -180,12 +188,7 @@ class PrefillKVConnector(_v1.KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Wrap vLLM's KV cache as a pool and start P's endpoint over it."""
         pool = kv_pool_from_vllm(kv_caches)
-        x = self._extra
-        options = {k: x[k] for k in ("control_bind", "lease_s", "timeout") if k in x}
-        name, secret, model_id = str(x["name"]), x.get("secret"), str(x.get("model_id", ""))
-        self.endpoint = SyncEndpoint(
-            lambda: PrefillEndpoint(name, pool, secret=secret, model_id=model_id, **options)
-        ).start()
+        self.endpoint = SyncEndpoint(lambda: self.config.open_endpoint(pool)).start()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Submit the hand-offs of requests that finished last step (never blocks)."""
@@ -265,5 +268,6 @@ async def _submit(endpoint: PrefillEndpoint, h: _Handoff) -> tuple[Submission, f
         h.max_tokens,
         sink=h.sink,
         route=h.route,
+        deadline_s=h.deadline_s,
     )
     return sub, time.perf_counter()
