@@ -13,6 +13,7 @@ Run as a script, this file is that child.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,15 +21,27 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import trio
 
+from pddnet import RemoteProtocolError
 from pddnet.control import ControlNode
 from pddnet.kv import ByteRanges
+from pddnet.transport._auth import authenticate
 from pddnet.transport._base import Grant
-from pddnet.transport.wan import WanLimits, WanReceiver, WanSender
+from pddnet.transport.wan import GrantTable, WanLimits, WanReceiver, WanSender
+from pddnet.transport.wan._acceptor import (
+    K_DUP_SLACK,
+    K_DUPS_PER_CHUNK,
+    Action,
+    TransferVerified,
+)
+from pddnet.wire import ChecksumAlgo, ChunkHeader, checksum
+from pddnet.wire._auth import AuthRole
 
 SECRET = b"hostile-wan-secret-0123456789abcd"
 K_NOFILE = 256  # the child's descriptor limit
@@ -200,3 +213,164 @@ if __name__ == "__main__":
         resource.RLIMIT_NOFILE, (K_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     )
     trio.run(_child)
+
+
+# -- one authenticated peer flooding tiny chunks (attacks 3 and 4) ------------------
+
+K_PROBE_S = 0.005  # the probe task's sleep
+K_MAX_LATE_S = 0.1  # the longest the receiver's loop may keep the probe waiting
+K_FLOOD_S = 2.0
+
+
+def _chunk(tid: int, offset: int, payload: bytes) -> bytes:
+    crc = checksum(ChecksumAlgo.CRC32C, payload)
+    return ChunkHeader(tid, offset, len(payload), crc).encode() + payload
+
+
+async def _authenticated(address: str) -> socket.socket:
+    """A raw data connection to ``address`` that passed the challenge-response."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setblocking(False)  # a blocking connect would stall the receiver's loop (this one)
+    sock.connect_ex((host, int(port)))
+    await trio.lowlevel.wait_writable(sock)
+    assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    await authenticate(sock, SECRET, AuthRole.INITIATOR, channel="wan")
+    sock.setblocking(True)
+    return sock
+
+
+def _flood(sock: socket.socket, data: bytes, until: float, read_acks: bool) -> bool:
+    """Send ``data`` over and over until ``until``; False if dropped first.
+
+    Runs in a thread (blocking calls), with one more thread that reads and drops
+    the ACKs if ``read_acks`` (else they pile up unread); closes ``sock``.
+    """
+    reader = threading.Thread(target=_discard, args=(sock,)) if read_acks else None
+    if reader is not None:
+        reader.start()
+    try:
+        while time.monotonic() < until:
+            sock.sendall(data)
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # ends the reader
+        if reader is not None:
+            reader.join()
+        sock.close()
+    return True
+
+
+def _discard(sock: socket.socket) -> None:
+    """Read and drop what the receiver sends (its ACKs), until the socket closes."""
+    with contextlib.suppress(OSError):
+        while sock.recv(1 << 16):
+            pass
+
+
+async def _probe(late: list[float]) -> None:
+    """Sleep ``K_PROBE_S`` in a loop, recording how late each wake-up was."""
+    while True:
+        t = trio.current_time()
+        await trio.sleep(K_PROBE_S)
+        late.append(trio.current_time() - t - K_PROBE_S)
+
+
+async def _honest(rx: WanReceiver, n: int) -> None:
+    src, dst = os.urandom(n), bytearray(n)
+    ranges = ByteRanges.build([0], [0], [n], [0])
+    g = rx.grant([dst], ranges, timeout=K_BOUND_S)
+    async with WanSender(rx.address, secret=SECRET, streams=2) as tx:
+        await tx.send(g, [src], ranges, timeout=K_BOUND_S)
+    await rx.wait_transfer(g.transfer_id)
+    assert dst == src
+
+
+async def test_tiny_chunk_flood_does_not_hold_the_loop() -> None:
+    """50,000 valid 1-byte chunks back to back: the loop still runs other tasks."""
+    n = 50_000
+    data = os.urandom(n)
+    async with WanReceiver(secret=SECRET) as rx:
+        g = rx.grant([bytearray(n)], ByteRanges.build([0], [0], [n], [0]), timeout=K_BOUND_S)
+        stream = b"".join(_chunk(g.transfer_id, i, data[i : i + 1]) for i in range(n))
+        sock = await _authenticated(rx.address)
+        late: list[float] = []
+        with trio.fail_after(K_BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_probe, late)
+                nursery.start_soon(trio.to_thread.run_sync, _discard, sock)
+                await trio.to_thread.run_sync(sock.sendall, stream)
+                await rx.wait_transfer(g.transfer_id)
+                await _honest(rx, 1 << 20)  # and the receiver still serves others
+                sock.shutdown(socket.SHUT_RDWR)  # ends the reader thread
+                nursery.cancel_scope.cancel()
+        sock.close()
+        assert rx.statistics().bytes_verified >= n
+    assert late and max(late) < K_MAX_LATE_S, f"the loop stalled {max(late) * 1e3:.0f} ms"
+
+
+@pytest.mark.parametrize("read_acks", [True, False], ids=["attack3", "attack4-acks-unread"])
+async def test_duplicate_flood_drops_the_peer_and_stalls_nothing(read_acks: bool) -> None:
+    """Attacks 3 and 4: a verified 1-byte chunk re-sent back to back, for 2 s."""
+    async with WanReceiver(secret=SECRET) as rx:
+        g = rx.grant([bytearray(64)], ByteRanges.build([0], [0], [64], [0]), timeout=K_BOUND_S)
+        dup = _chunk(g.transfer_id, 0, b"x")
+        flood = dup * 4096
+        late: list[float] = []
+        connections = drops = 0
+        with trio.fail_after(K_BOUND_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_probe, late)
+                honest = trio.Event()
+
+                async def _run_honest() -> None:
+                    await _honest(rx, 4 << 20)
+                    honest.set()
+
+                until = time.monotonic() + K_FLOOD_S
+                first = True
+                while time.monotonic() < until:  # the peer reconnects each time it is dropped
+                    sock = await _authenticated(rx.address)
+                    connections += 1
+                    if first:  # the chunk is verified once, then comes back again and again
+                        sock.sendall(dup)
+                        nursery.start_soon(_run_honest)
+                        first = False
+                    if not await trio.to_thread.run_sync(_flood, sock, flood, until, read_acks):
+                        drops += 1
+                await honest.wait()
+                nursery.cancel_scope.cancel()
+        stats = rx.statistics()
+        assert stats.bytes_verified == 1 + (4 << 20)
+        assert stats.duplicate_floods >= drops >= 1, (stats, drops, connections)
+        assert stats.protocol_errors >= drops
+    assert late and max(late) < K_MAX_LATE_S, f"the loop stalled {max(late) * 1e3:.0f} ms"
+
+
+def test_duplicate_allowance_of_a_grant() -> None:
+    """Sans-IO: every chunk re-sent twice passes; one duplicate past the allowance
+    drops the connection (RemoteProtocolError), not the transfer; a completed
+    transfer's stragglers spend the same allowance."""
+    table, n = GrantTable(1 << 20), 200
+    table.add(1, ByteRanges.build([0], [0], [n], [0]))
+    for i in range(n - 1):
+        hdr = ChunkHeader(1, i, 1, 0)
+        assert table.begin(hdr, "a").action is Action.WRITE
+        table.finish(hdr, "a", True)
+        for _ in range(K_DUPS_PER_CHUNK):  # a hedged twin and a resend after a lost ACK
+            assert table.begin(hdr, "b").action is Action.DRAIN_ACK
+    for _ in range(K_DUP_SLACK):
+        assert table.begin(ChunkHeader(1, 0, 1, 0), "b").action is Action.DRAIN_ACK
+    with pytest.raises(RemoteProtocolError, match="duplicate") as info:
+        table.begin(ChunkHeader(1, 0, 1, 0), "b")
+    assert info.value.transfer_id == 1 and 1 in table and not table.take_failures()
+    last = ChunkHeader(1, n - 1, 1, 0)
+    assert table.begin(last, "a").action is Action.WRITE  # the transfer lives on
+    assert table.finish(last, "a", True)[-1] == TransferVerified(1)
+    for _ in range(K_DUPS_PER_CHUNK - 1):  # what the last chunk added, less one overdrawn
+        assert table.begin(last, "b").action is Action.DRAIN_ACK
+    with pytest.raises(RemoteProtocolError, match="duplicate"):
+        table.begin(last, "b")
+    assert table.duplicate_floods == 2

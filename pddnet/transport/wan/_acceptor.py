@@ -23,6 +23,16 @@ what to do with the payload *before* reading it:
   transfer id, a range outside ``[0, total)``, a partial overlap with verified
   or in-progress bytes. A known transfer also fails.
 
+Duplicates are bounded: an honest sender re-sends a chunk when it hedges or
+when an ACK was lost with its connection, so a transfer takes
+``K_DUP_SLACK`` duplicate chunks (``DRAIN_ACK`` and ``DRAIN_DUP``, also
+stragglers after it completed) plus ``K_DUPS_PER_CHUNK`` for every chunk
+verified. One more is a :class:`~pddnet.RemoteProtocolError` that drops the
+connection but not the transfer (issue 19: a peer re-sending one verified
+1-byte chunk back to back kept a receiver busy for minutes); the allowance
+stays spent, so a peer that reconnects and goes on is dropped at its next
+duplicate.
+
 Resource bounds (:class:`~._limits.WanLimits`): :meth:`GrantTable.add` refuses
 a grant that would take the live grants, or their bytes, past a bound (in
 total or for its peer) with :class:`~._limits.WanLimitExceeded`, before
@@ -64,6 +74,8 @@ __all__ = [
 
 K_TOMBSTONES = 4096  # recently ended transfer ids whose stragglers are drained, not errors
 K_MAX_CHECKSUM_FAILURES = 3  # per transfer, before it fails
+K_DUP_SLACK = 64  # duplicate chunks a transfer takes before any chunk is verified
+K_DUPS_PER_CHUNK = 2  # and for each chunk verified (a hedged twin, a resend after a lost ACK)
 
 
 class Action(enum.Enum):
@@ -117,6 +129,15 @@ class WritePermit:
         self.live = True
 
 
+class _Duplicates:
+    """How many more duplicate chunks a transfer takes (kept by its tombstone too)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = K_DUP_SLACK
+
+
 @dataclass(slots=True, eq=False)
 class _Grant:
     transfer_id: int
@@ -129,6 +150,7 @@ class _Grant:
     layers_done: set[int] = field(default_factory=set)
     checksum_failures: int = 0
     permit: WritePermit = field(default_factory=WritePermit)
+    duplicates: _Duplicates = field(default_factory=_Duplicates)
 
 
 class GrantTable:
@@ -145,10 +167,12 @@ class GrantTable:
         self.bytes_granted = 0  # bytes of live grants
         self._peer_use: dict[str, tuple[int, int]] = {}  # peer -> (live grants, bytes)
         self._grants: dict[int, _Grant] = {}
-        self._ended: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # tid -> (total, ok)
+        # tid -> (total, ok, duplicates allowed)
+        self._ended: OrderedDict[int, tuple[int, bool, _Duplicates]] = OrderedDict()
         self.bytes_verified = 0
         self.bytes_dropped = 0
         self.checksum_failures = 0
+        self.duplicate_floods = 0  # chunks refused for passing the duplicate allowance
         self._failed: list[Event] = []
 
     def __contains__(self, transfer_id: int) -> bool:
@@ -221,23 +245,39 @@ class GrantTable:
             ended = self._ended.get(tid)
             if ended is not None and hi <= ended[0]:
                 # a straggler (hedged twin, resend after a lost ACK): of a completed
-                # transfer it is acknowledged, of a failed one it is refused
-                return Decision(Action.DRAIN_ACK if ended[1] else Action.DRAIN_ENDED)
+                # transfer it is a duplicate, acknowledged; of a failed one, refused
+                if not ended[1]:
+                    return Decision(Action.DRAIN_ENDED)
+                self._duplicate(tid, ended[2])
+                return Decision(Action.DRAIN_ACK)
             raise RemoteProtocolError(f"chunk for unknown transfer id {tid}", transfer_id=tid)
         if hi > g.ranges.total:
             raise self._violation(tid, f"chunk [{lo}, {hi}) outside grant [0, {g.ranges.total})")
         done = g.verified.overlap(lo, hi)
         if done == hi - lo:
+            self._duplicate(tid, g.duplicates)
             return Decision(Action.DRAIN_ACK)
         if done:
             raise self._violation(tid, f"chunk [{lo}, {hi}) partially overlaps verified bytes")
         for plo, phi in g.pending:
             if plo < hi and lo < phi:
                 if (plo, phi) == (lo, hi) and g.pending[(plo, phi)] is not conn:
+                    self._duplicate(tid, g.duplicates)
                     return Decision(Action.DRAIN_DUP)
                 raise self._violation(tid, f"chunk [{lo}, {hi}) overlaps one in progress")
         g.pending[(lo, hi)] = conn
         return Decision(Action.WRITE, tuple(g.ranges.pieces(lo, hi)), g.permit)
+
+    def _duplicate(self, tid: int, allowed: _Duplicates) -> None:
+        """Spend one of a transfer's duplicates; raise when none is left (see the module doc)."""
+        allowed.left -= 1
+        if allowed.left < 0:
+            self.duplicate_floods += 1
+            raise RemoteProtocolError(
+                f"more duplicate chunks than transfer {tid} allows ({K_DUP_SLACK} "
+                f"+ {K_DUPS_PER_CHUNK} per chunk verified)",
+                transfer_id=tid,
+            )
 
     def _violation(self, tid: int, why: str) -> RemoteProtocolError:
         err = RemoteProtocolError(why, transfer_id=tid)
@@ -272,6 +312,7 @@ class GrantTable:
             return []
         added = g.verified.add(lo, hi)
         self.bytes_verified += added
+        g.duplicates.left += K_DUPS_PER_CHUNK
         return self._progress(g, lo, hi)
 
     def abort(self, header: ChunkHeader, conn: object) -> None:
@@ -310,7 +351,7 @@ class GrantTable:
             n, b = self._peer_use.pop(g.peer)
             if n > 1:
                 self._peer_use[g.peer] = (n - 1, b - g.ranges.total)
-        self._ended[tid] = (g.ranges.total, ok)
+        self._ended[tid] = (g.ranges.total, ok, g.duplicates)
         while len(self._ended) > K_TOMBSTONES:
             self._ended.popitem(last=False)
 
