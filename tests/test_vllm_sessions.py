@@ -8,7 +8,9 @@ request at a time:
 * a two-turn session on P->MD: turn 2's prompt is turn 1's prompt, turn 1's
   answer and new tokens. Turn 2 hits MD's prefix cache (``hit_blocks > 0``)
   and P ships fewer WAN blocks and bytes for it than for a cold request of
-  the same length, served just before it;
+  the same length, served just before it. MD's vLLM prefix cache is reset
+  before turn 2 (else vLLM itself would serve turn 2's prefix), so turn 2's
+  stream shows that the blocks pddnet's cache kept are the ones vLLM read;
 * a P->RLD->MD request whose KV P holds back from MD until RLD has emitted
   ``K_EAGER`` tokens: with RLD's ``catchup_threshold`` below that, RLD hands
   over in at least 2 rounds.
@@ -33,7 +35,9 @@ from vllm_roles import K_MODEL_ID, K_SECRET, Child, finish_children, p_model, st
 K_TOKENS = 48  # each stream, P's first token included
 K_TURN1, K_NEW = 150, 20  # turn 1's prompt, turn 2's new tokens
 K_EAGER = 16  # tokens RLD emits before MD's KV leaves P
-K_PARAMS = {"catchup_threshold": 8, "final_switch_size": 4, "min_batch": 4}
+# catch-up from K_EAGER pending tokens, the final switch at 8: with a small
+# RTT estimate RLD predicts convergence for any decode rate below ~800 tokens/s
+K_PARAMS = {"catchup_threshold": 8, "final_switch_size": 8, "min_batch": 4, "rtt_s": 0.001}
 
 
 @pytest.mark.slow  # two vLLM engine processes: ~30-90 s on 2 cores
@@ -105,13 +109,24 @@ async def test_vllm_session_hits_md_cache_and_a_handoff_catches_up(tmp_path: Pat
                     await trio.sleep(0.02)
                 pm.release(seq)
 
+            async def reset_md() -> int:
+                """Reset MD's vLLM prefix cache; the blocks its connector loaded so far."""
+                children["md"].send({"reset": True})
+                reply = await children["md"].receive()
+                assert reply["reset"], reply
+                return int(reply["loaded_blocks"])
+
             with trio.fail_after(300):
                 job = {"prompts": list(prompts.values()), "tokens": K_TOKENS, "params": K_PARAMS}
                 hello = await start_children(children, p, user, job)
                 oracle = hello["md"]["oracle"]
                 await serve(1, "turn1", Route.P_MD)
                 await serve(2, "cold", Route.P_MD)
+                # vLLM's own prefix cache would serve turn 2's prefix: forget
+                # it, so that turn 2 reads the blocks pddnet's cache kept
+                resets = [await reset_md()]
                 await serve(3, "turn2", Route.P_MD)
+                resets.append(await reset_md())
                 await serve(4, "catchup", Route.P_RLD_MD, eager=K_EAGER)
                 reports = await finish_children(children)
             print(json.dumps({"subs": [repr(s) for s in subs.values()], **reports}, indent=1))
@@ -131,6 +146,9 @@ async def test_vllm_session_hits_md_cache_and_a_handoff_catches_up(tmp_path: Pat
             assert warm.sent_blocks_wan == blocks - warm.hit_blocks, warm
             assert wan_bytes["cold"] == blocks * layout.block_bytes, wan_bytes
             assert wan_bytes["turn2"] == warm.sent_blocks_wan * layout.block_bytes, wan_bytes
+            # MD's vLLM loaded all of turn 2's prompt through the connector,
+            # the cached blocks included (it had no prefix cache of its own)
+            assert resets[1] - resets[0] == blocks, resets
             # RLD handed over in rounds while it kept decoding, and MD finished it
             relay = reports["rld"]["relay"]["4"]
             assert relay["handoff"] == "catch-up" and relay["rounds"] >= 2, relay

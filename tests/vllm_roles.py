@@ -11,8 +11,9 @@ The child's conversation: the test sends the job (``prompts``, ``tokens``,
 optional ``params``, HandoffParams' fields); MD answers with vLLM's own greedy
 stream of each prompt (its prefix cache reset afterwards) and both with their
 EndpointInfo; the test sends the peers; the child connects and says so; the
-test says every stream ended; the child reports its statistics; the test says
-bye.
+test may ask it, between requests, to reset vLLM's prefix cache (``reset``:
+it answers with the blocks the connector loaded into vLLM so far); the test
+says every stream ended; the child reports its statistics; the test says bye.
 """
 
 from __future__ import annotations
@@ -76,13 +77,22 @@ async def child_main(role: str, model: str, rfd: int, wfd: int) -> None:
                 await ep.connect_peer(EndpointInfo.from_blob(bytes.fromhex(blob)))
             await ep.node.connect(peers["user"], peers["user_address"])
             send({"connected": True})
-            await receive()  # every stream ended
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            def loads_now(e: Any) -> Any:
+                return get_kv_transfer_group().statistics()
+
+            while (await receive()).get("reset"):  # until every stream ended
+                with trio.fail_after(10):
+                    while ep.statistics().active:
+                        await trio.sleep(0.05)
+                reset = await engine.call(lambda e: e.reset_prefix_cache())
+                loaded = (await engine.call(loads_now)).blocks
+                send({"reset": reset, "loaded_blocks": loaded})
             with trio.fail_after(10):
                 while ep.statistics().active:
                     await trio.sleep(0.05)
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            loads = await engine.call(lambda e: get_kv_transfer_group().statistics())
+            loads = await engine.call(loads_now)
             send(
                 {
                     "free_blocks": ep.statistics().free_blocks,
