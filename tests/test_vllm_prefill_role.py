@@ -159,7 +159,7 @@ async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
         RelayEndpoint,
     )
     from pddnet.control import ControlNode
-    from pddnet.integrations.vllm import build_tiny_llama, reference_config
+    from pddnet.integrations.vllm import build_tiny_llama, reference_config, vllm_cpu_layout
     from pddnet.recompute import BlockAllocator, ReferenceModel, Weights
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -169,15 +169,7 @@ async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
     config = reference_config(model)
     weights = Weights.load(config, model / "model.safetensors")
     # vLLM CPU's (vec ISA): per head K as [head_dim, 32], then V as [32, head_dim]
-    layout = KVLayout(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        32,
-        "float32",
-        interior="hptd",
-        key_order="dt",
-    )
+    layout = vllm_cpu_layout(config.num_layers, config.num_kv_heads, config.head_dim, fused=False)
 
     def decoder_model() -> ReferenceModel:
         pool = KVPool.allocate(layout, K_DECODER_BLOCKS, fill=0xFF)

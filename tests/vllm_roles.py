@@ -191,21 +191,12 @@ async def finish_children(children: dict[str, Child]) -> dict[str, Any]:
 def p_model(model: Path) -> Any:
     """P: the reference model on ``model``'s checkpoint over a pool of vLLM
     CPU's layout (vec ISA), as the decoders' staging pools are."""
-    from pddnet import KVLayout, KVPool
-    from pddnet.integrations.vllm import reference_config
+    from pddnet import KVPool
+    from pddnet.integrations.vllm import reference_config, vllm_cpu_layout
     from pddnet.recompute import BlockAllocator, ReferenceModel, Weights
 
     config = reference_config(model)
-    layout = KVLayout(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        32,
-        "float32",
-        interior="hptd",
-        key_order="dt",
-        fused=True,
-    )
+    layout = vllm_cpu_layout(config.num_layers, config.num_kv_heads, config.head_dim)
     weights = Weights.load(config, model / "model.safetensors")
     return ReferenceModel(
         config,

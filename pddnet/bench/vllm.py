@@ -53,15 +53,15 @@ from typing import Any
 
 import numpy as np
 
-from ..integrations.vllm import copy_blocks
-from ..kv import KVLayout, KVPool
+from ..integrations.vllm import copy_blocks, vllm_cpu_layout
+from ..kv import KVPool
 from ._common import add_common_arguments, print_table, pyplot, write_report
 
 K_TARGET = 0.8  # issue 18: copy_blocks at least 0.8 of a plain NumPy copy
 K_POOL_BYTES = 1 << 30  # the destination pool: vLLM's VLLM_CPU_KVCACHE_SPACE=1
 K_LAYOUTS = {
-    "tiny": KVLayout(2, 2, 64, 32, "float32", fused=True, interior="hptd", key_order="dt"),
-    "7b": KVLayout(32, 8, 128, 32, "float16", fused=True, interior="hptd", key_order="dt"),
+    "tiny": vllm_cpu_layout(2, 2, 64, "float32"),
+    "7b": vllm_cpu_layout(32, 8, 128, "float16"),
 }
 K_SIZES = {"tiny": (1, 8, 32, 128, 512), "7b": (1, 8, 32, 128)}
 K_QUICK_SIZES = {"tiny": (1, 8, 32, 128, 512), "7b": (1, 8, 32)}

@@ -30,7 +30,7 @@ onto it.
 
 from ._decode_engine import K_STAGING_BLOCKS, VllmDecodeEngine, VllmEngineError
 from ._engine import K_CPU_BLOCK_SIZE, K_CPU_ENV, apply_cpu_env, cpu_engine_kwargs, run_greedy
-from ._kv import K_VLLM_CPU_INTERIOR, kv_pool_from_vllm, layer_index
+from ._kv import K_VLLM_CPU_INTERIOR, kv_pool_from_vllm, layer_index, vllm_cpu_layout
 from ._prefill_config import PrefillConnectorConfig
 from ._staging import copy_blocks, open_staging
 from ._tiny import K_TINY_SEED, build_tiny_llama, reference_config, tail_period
@@ -50,6 +50,7 @@ __all__ = [
     "cpu_engine_kwargs",
     "kv_pool_from_vllm",
     "layer_index",
+    "vllm_cpu_layout",
     "open_staging",
     "reference_config",
     "run_greedy",

@@ -23,7 +23,13 @@ from ..._errors import LayoutMismatch, LocalProtocolError
 from ..._optional import require
 from ...kv import KVLayout, KVPool
 
-__all__ = ["K_VLLM_CPU_INTERIOR", "K_VLLM_CPU_KEY_ORDER", "kv_pool_from_vllm", "layer_index"]
+__all__ = [
+    "K_VLLM_CPU_INTERIOR",
+    "K_VLLM_CPU_KEY_ORDER",
+    "kv_pool_from_vllm",
+    "layer_index",
+    "vllm_cpu_layout",
+]
 
 #: vLLM CPU's block interior: per KV head, K of the block's tokens, then V.
 K_VLLM_CPU_INTERIOR = "hptd"
@@ -41,6 +47,35 @@ def layer_index(name: str) -> int:
         if part.isdigit():
             return int(part)
     raise LocalProtocolError(f"no layer index in KV cache name {name!r}")
+
+
+def vllm_cpu_layout(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str = "float32",
+    *,
+    block_size: int = 32,
+    fused: bool = True,
+    isa: str = "vec",
+) -> KVLayout:
+    """The :class:`KVLayout` of vLLM's CPU KV cache for a model of this shape.
+
+    Raises:
+        LayoutMismatch: for an ISA whose K layout pddnet does not know.
+    """
+    if isa not in K_VLLM_CPU_KEY_ORDER:
+        raise LayoutMismatch(f"vLLM CPU attention ISA {isa!r}: its K cache layout is not known")
+    return KVLayout(
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        fused=fused,
+        interior=K_VLLM_CPU_INTERIOR,
+        key_order=K_VLLM_CPU_KEY_ORDER[isa],
+    )
 
 
 def kv_pool_from_vllm(kv_caches: Mapping[str, Any], *, isa: str | None = None) -> KVPool:
@@ -89,16 +124,8 @@ def kv_pool_from_vllm(kv_caches: Mapping[str, Any], *, isa: str | None = None) -
     if isa is None:
         cpu_attn = require("vllm.v1.attention.backends.cpu_attn")
         isa = str(cpu_attn._get_attn_isa(first.dtype, block_size, width // 2))
-    if isa not in K_VLLM_CPU_KEY_ORDER:
-        raise LayoutMismatch(f"vLLM CPU attention ISA {isa!r}: its K cache layout is not known")
-    per_layer = KVLayout(
-        len(tensors),
-        kv_heads,
-        width // 2,
-        block_size,
-        dtype,
-        interior=K_VLLM_CPU_INTERIOR,
-        key_order=K_VLLM_CPU_KEY_ORDER[isa],
+    per_layer = vllm_cpu_layout(
+        len(tensors), kv_heads, width // 2, dtype, block_size=block_size, fused=False, isa=isa
     )
     layer_elems = first.numel()
     fused = all(
