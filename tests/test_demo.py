@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from pddnet import demo
+from pddnet.bench._common import pyplot
 from pddnet.demo._workload import make_sessions
 from pddnet.emu import unavailable_reason
 from pddnet.recompute import TINY
@@ -128,6 +130,25 @@ def test_only_a_run_where_every_request_finished_right_passes() -> None:
     assert demo.summarize(records, refs, {}, expected=n)["tokens_match_reference"] is False
 
 
+# ------------------------------------------------------------- timeline plot
+def test_the_timeline_legend_is_outside_the_data() -> None:
+    pytest.importorskip("matplotlib")
+    records = _records(CFG, ("pdd", "baseline"))
+    for rec in records:  # tokens over the whole x range, RLD's then MD's
+        rec["tokens"] = [
+            [0.05 * (i + 1), i, 0, "relay" if i < 10 and rec["phase"] == "pdd" else "main"]
+            for i in range(20)
+        ]
+    fig = demo.timeline_figure(records)
+    fig.canvas.draw()
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    assert len(legends) == 1
+    box = legends[0].get_window_extent()
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent()), ax.get_title()
+    pyplot().close(fig)
+
+
 # ------------------------------------------------------------- end to end
 def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
@@ -149,11 +170,11 @@ def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
             "--png",
             str(tmp_path / "t.png"),
         ],
-        capture_output=True,
-        text=True,
+        capture_output=True,  # bytes: text mode would turn each \r into a newline
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     data = json.loads(out.read_text())
     summary = data["summary"]
     assert summary["tokens_match_reference"] is True
@@ -162,8 +183,14 @@ def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
     assert summary["periodic_streams"] == 0
     assert (tmp_path / "t.png").stat().st_size > 10_000
     # the demo chose TCP by its --local-path default, and says so; nothing claims ucxx is missing
-    assert "P->RLD local path: TCP (--local-path tcp)" in proc.stdout
-    assert "ucxx is not installed" not in proc.stdout + proc.stderr
+    assert "P->RLD local path: TCP (--local-path tcp)" in stdout
+    assert "ucxx is not installed" not in stdout + stderr
+    # piped, each request's progress message is a line of its own (with \r they ran together)
+    assert "\r" not in stdout
+    progress = [ln for ln in stdout.split("\n") if " turn " in ln]
+    assert len(progress) == summary["requests"], progress
+    for ln in progress:
+        assert re.fullmatch(r"  p: \[(pdd|baseline)\] session \d+ turn \d+: finished", ln), ln
 
     # both phases ran the same workload from the same (empty) cache state
     def workload(phase: str) -> dict[tuple[int, int], tuple[list[int], int, int]]:

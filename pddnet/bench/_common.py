@@ -12,9 +12,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
+
+from .._progress import StatusLine
 
 __all__ = [
     "Progress",
@@ -25,6 +27,8 @@ __all__ = [
     "write_report",
     "pyplot",
 ]
+
+K_PROGRESS_LINE_S = 10.0  # off a terminal, a progress line at most this often (and the last)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, png: bool = True) -> None:
@@ -137,36 +141,39 @@ def pyplot() -> Any:
 
 
 class Progress:
-    """A one-line progress bar on stderr (silent when stderr is not a TTY
-    unless ``force``): ``with Progress(total, "label") as bar: bar.advance()``."""
+    """A progress bar on stderr: ``with Progress(total, "label") as bar: bar.advance()``.
 
-    def __init__(self, total: int, label: str = "", *, force: bool = False) -> None:
+    On a terminal it is one line, redrawn at each step; anywhere else each
+    step is a line of its own (at most one every :data:`K_PROGRESS_LINE_S`
+    seconds, and always the last), through :class:`~pddnet._progress.StatusLine`.
+    """
+
+    def __init__(self, total: int, label: str = "", *, stream: TextIO | None = None) -> None:
         self.total = max(total, 1)
         self.label = label
         self.done = 0
-        self.enabled = force or sys.stderr.isatty()
+        self._status = StatusLine(stream if stream is not None else sys.stderr, width=110)
         self._t0 = time.monotonic()
+        self._last_line = -math.inf
 
     def __enter__(self) -> Progress:
         self._draw()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._status.end()
 
     def advance(self, n: int = 1, note: str = "") -> None:
         self.done = min(self.done + n, self.total)
         self._draw(note)
 
     def _draw(self, note: str = "") -> None:
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        bar = "#" * int(30 * frac)
-        elapsed = time.monotonic() - self._t0
-        sys.stderr.write(
-            f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}"
+        now = time.monotonic()
+        if not self._status.tty:
+            if self.done < self.total and now - self._last_line < K_PROGRESS_LINE_S:
+                return
+            self._last_line = now
+        bar = "#" * int(30 * self.done / self.total)
+        self._status.update(
+            f"{self.label} [{bar:<30}] {self.done}/{self.total} {now - self._t0:5.1f}s {note[:40]}"
         )
-        sys.stderr.flush()

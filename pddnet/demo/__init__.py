@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .._progress import StatusLine
 from ..bench._common import percentiles, print_table, pyplot, write_report
 from ..emu import emulated_wan, parse_duration, parse_rate, unavailable_reason
 from ..handoff import HandoffParams
@@ -52,6 +53,7 @@ __all__ = [
     "report",
     "summarize",
     "tail_period",
+    "timeline_figure",
     "vllm_reference_streams",
 ]
 
@@ -233,17 +235,16 @@ def _follow(procs: list[subprocess.Popen[str]], log: list[str], timeout: float =
     p = procs[0]
     assert p.stdout is not None
     deadline = time.monotonic() + timeout
-    for line in p.stdout:
-        line = line.rstrip()
-        log.append(line)
-        if "turn" not in line:
-            print(f"  {line}")
-        else:
-            sys.stdout.write(f"\r  {line[:90]:<90}")
-            sys.stdout.flush()
-        if time.monotonic() > deadline:
-            break
-    print()
+    with StatusLine() as status:
+        for line in p.stdout:
+            line = line.rstrip()
+            log.append(line)
+            if "turn" in line:  # a request's progress: in place on a terminal
+                status.update(f"  {line}")
+            else:
+                status.line(f"  {line}")
+            if time.monotonic() > deadline:
+                break
     p.wait(timeout=30)
     for proc in procs[1:]:
         proc.kill()
@@ -425,7 +426,9 @@ def summarize(
     }
 
 
-def _plot(records: list[dict[str, Any]], path: str) -> None:
+def timeline_figure(records: list[dict[str, Any]]) -> Any:
+    """The timeline plot of both phases (a matplotlib Figure; the legend is
+    above the plots, outside the data)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharex=True)
     colors = {"relay": "tab:orange", "main": "tab:blue"}
@@ -440,13 +443,23 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
         ax.set_title("P->RLD->MD (pddnet routing)" if phase == "pdd" else "P->MD only (baseline)")
         ax.set_xlabel("ms since the request was submitted")
         ax.set_ylabel("request, in submission order")
-    for src, c in colors.items():
-        axes[0].scatter([], [], color=c, label=f"token from {'RLD' if src == 'relay' else 'MD'}")
-    axes[0].plot([], [], color="0.7", label="waiting for the first token")
-    axes[0].legend(loc="lower right")
-    fig.tight_layout()
+    handles = [
+        *(
+            plt.Line2D([], [], ls="", marker="o", color=c, label=f"token from {who}")
+            for who, c in (("RLD", colors["relay"]), ("MD", colors["main"]))
+        ),
+        plt.Line2D([], [], color="0.7", label="waiting for the first token"),
+    ]
+    fig.legend(handles=handles, loc="upper center", ncol=3, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))  # the top strip holds the legend
+    return fig
+
+
+def _plot(records: list[dict[str, Any]], path: str) -> None:
+    fig = timeline_figure(records)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
