@@ -166,6 +166,8 @@ class Sender(ABC):
 class Receiver(ABC):
     """The receiving end of a transport."""
 
+    address: str = ""  # where senders reach it (published in the handshake; set when it listens)
+
     @abstractmethod
     def grant(
         self,
