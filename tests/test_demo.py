@@ -18,6 +18,7 @@ from pddnet.bench._common import pyplot
 from pddnet.demo._workload import make_sessions
 from pddnet.emu import unavailable_reason
 from pddnet.recompute import TINY
+from pddnet.transport.local import local_available
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -182,9 +183,17 @@ def test_small_demo_matches_greedy_and_loses_nothing(tmp_path: Path) -> None:
     assert summary["requests"] == 8
     assert summary["periodic_streams"] == 0
     assert (tmp_path / "t.png").stat().st_size > 10_000
-    # the demo chose TCP by its --local-path default, and says so; nothing claims ucxx is missing
-    assert "P->RLD local path: TCP (--local-path tcp)" in stdout
-    assert "ucxx is not installed" not in stdout + stderr
+    # the relay's local path is UCX by default where ucxx imports: P connected to its
+    # ucx: address, and between the testbed's namespaces UCX chose tcp (no shared memory)
+    if local_available():
+        assert summary["local_path"] == "ucx", summary
+        assert summary["local_path_reason"] is None
+        assert "P->RLD local path: UCX (" in stdout
+        if unavailable_reason() is None:
+            assert [t.split("/")[0] for t in summary["local_transports"]] == ["tcp"], summary
+        assert "ucxx is not installed" not in stdout + stderr
+    else:
+        assert summary["local_path"] == "tcp" and "ucxx" in summary["local_path_reason"]
     # piped, each request's progress message is a line of its own (with \r they ran together)
     assert "\r" not in stdout
     progress = [ln for ln in stdout.split("\n") if " turn " in ln]

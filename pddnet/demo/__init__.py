@@ -45,6 +45,7 @@ from ..emu import emulated_wan, parse_duration, parse_rate, unavailable_reason
 from ..handoff import HandoffParams
 from ..integrations.vllm import build_tiny_llama
 from ..recompute import TINY, ReferenceModel, greedy
+from ._local_path import choose_local_path, local_path_summary
 
 __all__ = [
     "add_arguments",
@@ -109,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--local-path",
         choices=("tcp", "ucx"),
-        default="tcp",
-        help="P->RLD transport (default %(default)s; UCX needs ucxx)",
+        default="ucx",
+        help="P->RLD transport (default %(default)s: a short UCX transfer between P's and RLD's"
+        " hosts first; if it fails, TCP, printing why)",
     )
 
 
@@ -222,6 +224,9 @@ def _run(
     )
     for name in _PHASES:
         phase(
+            out["local_path"] = choose_local_path(
+                cfg, wan.rld.spawn, wan.p.spawn, "dc-a-p -> dc-a-rld"
+            )
             name,
             dict.fromkeys(_ROLES, "127.0.0.1"),
             {r: _free_port() for r in _ROLES},
@@ -235,6 +240,7 @@ def _follow(procs: list[subprocess.Popen[str]], log: list[str], timeout: float =
     p = procs[0]
     assert p.stdout is not None
     deadline = time.monotonic() + timeout
+    out["local_path"] = choose_local_path(cfg, subprocess.Popen, subprocess.Popen, "loopback")
     with StatusLine() as status:
         for line in p.stdout:
             line = line.rstrip()
@@ -473,7 +479,7 @@ def main(args: argparse.Namespace) -> int:
             if args.engine == "vllm"
             else f"decode paced to {args.step_ms:g} ms/step; "
         )
-        + f"P->RLD local path: {args.local_path.upper()} (--local-path {args.local_path})"
+        + f"P->RLD local path asked: --local-path {args.local_path}"
     )
     log: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -541,3 +547,4 @@ def report(
         )
         return 1
     return 0
+    summary.update(local_path_summary(phases))

@@ -64,8 +64,9 @@ async def serve_decoder(role: str, cfg: dict[str, Any], pool: KVPool, engine: De
         recompute_rate=20000.0,
         catchup_threshold=cfg["catchup_threshold"],
     )
-    # The relay's local path: UCX (ucxx) or TCP, as the demo's --local-path
-    # says (the demo prints its choice; RelayEndpoint warns only for its own).
+    # The relay's local path: UCX (RelayEndpoint's default where ucxx imports)
+    # unless the demo chose TCP (--local-path tcp, or its UCX probe failed
+    # between P's and RLD's hosts: the demo printed why; see _local_path).
     receiver = None
     if role == "relay" and cfg["local_path"] == "tcp":
         receiver = WanReceiver(host=cfg["data_host"], secret=load_secret())
@@ -114,8 +115,9 @@ async def prefill(cfg: dict[str, Any]) -> None:
     ) as p:
         directory = Rendezvous.serve(p.node)
         directory.publish(p.info())
+        infos = {}
         for engine_id in ("relay", "main"):
-            info = await directory.wait_for(engine_id, 0, timeout=60)
+            infos[engine_id] = info = await directory.wait_for(engine_id, 0, timeout=60)
             await p.connect_peer(info)
         await trio.sleep(0.5)  # let the decoders finish connecting to each other
         print("p: connected to relay and main", flush=True)
@@ -143,6 +145,8 @@ async def prefill(cfg: dict[str, Any]) -> None:
                     phase_nursery.start_soon(_session, p, model, front, phase, reqs, route, cfg)
             print(f"p: phase {phase} done in {time.monotonic() - t_phase:.1f}s", flush=True)
             stats = await phase_stats(p)
+            # the local path P's sender took: UCX for the relay's ucx: address
+            stats["local_path"] = "ucx" if infos["relay"].data.startswith("ucx:") else "tcp"
             results = list(front.records.values())
             with open(cfg["out"], "w") as f:
                 json.dump({"requests": results, "stats": stats}, f)

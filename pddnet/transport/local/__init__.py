@@ -7,10 +7,12 @@ Both are driven from trio through the worker's epoll fd (see
 
 :func:`open_local_receiver` / :func:`open_local_sender` pick UCX when ucxx is
 importable and otherwise fall back to the TCP transport of
-:mod:`pddnet.transport.wan`, logging one warning.
+:mod:`pddnet.transport.wan`, logging one warning. :func:`probe_local_path`
+checks, with one real transfer between two hosts, whether UCX works there.
 """
 
 from ._fallback import local_available, open_local_receiver, open_local_sender
+from ._probe import LocalPathProbe, probe_local_path
 from ._transport import (
     UcxReceiver,
     UcxReceiverStatistics,
@@ -22,6 +24,7 @@ from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
 
 __all__ = [
     "K_DEFAULT_TLS",
+    "LocalPathProbe",
     "UcxReceiver",
     "UcxReceiverStatistics",
     "UcxSender",
@@ -32,4 +35,5 @@ __all__ = [
     "local_available",
     "open_local_receiver",
     "open_local_sender",
+    "probe_local_path",
 ]

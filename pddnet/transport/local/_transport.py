@@ -128,6 +128,7 @@ from ._auth import (
     session_tags,
     ucx_auth_context,
 )
+from ._ep_info import endpoint_transports
 from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
 
 __all__ = [
@@ -2127,6 +2128,13 @@ class UcxSender(_Service, Sender):
         for t in list(self._transfers.values()):
             exc = TransportError(why, transfer_id=t.transfer_id, peer=self.peer)
             self._end(t, TransferState.FAILED, exc, None)
+
+    def transports(self) -> tuple[str, ...]:
+        """The UCX transports (``transport/device``) of this sender's data
+        endpoint, as UCX chose them for this receiver, e.g. ``("tcp/eth0",)``
+        between two network namespaces; empty before ``__aenter__`` or after
+        ``aclose``."""
+        return endpoint_transports(self._data_ep or self._ep)
 
     def statistics(self) -> UcxSenderStatistics:
         return UcxSenderStatistics(
