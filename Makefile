@@ -11,12 +11,14 @@ VLLM_CONFLICTS := torchvision torchaudio torchcodec
 
 venv: $(STAMP)
 
-# System packages the tests and benchmarks compare against (iperf3). Installed
-# with apt-get where we are root; otherwise each missing one is named, with how
-# to get it, and the benchmarks report it missing instead of failing.
-SYSTEM_TOOLS := iperf3
+# System packages the tests and benchmarks compare against (iperf3) or run
+# (etcd, for the cluster directory's tests). Installed with apt-get where we are
+# root; otherwise each missing one is named, with how to get it, and the
+# benchmarks report it missing instead of failing (the etcd tests skip, except in CI).
+# Each is command[:Debian package].
+SYSTEM_TOOLS := iperf3 etcd:etcd-server
 system:
-	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing$$missing (apt-get)"; \
