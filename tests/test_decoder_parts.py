@@ -24,11 +24,12 @@ from pddnet.api._grants import BlockGrants
 from pddnet.api._kept import KeptTokens
 from pddnet.api._link import MainLink, RelayLink
 from pddnet.api._messages import CutOffWan
+from pddnet.api._publish import DrcPublisher
 from pddnet.api._record import RequestRecord
 from pddnet.api._requests import DecodeRequests
 from pddnet.api._stream import SourceState
 from pddnet.api._takeover import TakeoverReports
-from pddnet.cache import RadixCache
+from pddnet.cache import CacheServer, DrcInserted, DrcSnapshot, DrcSnapshotRequest, RadixCache
 from pddnet.control import ControlNode
 from pddnet.handoff import AbortReason, DecodeRequest, HandoffHub, HandoffParams, TokenCallback
 from pddnet.recompute import TINY, ReferenceModel
@@ -318,6 +319,34 @@ def test_a_takeover_report_gets_mds_status_and_waits_for_a_driver() -> None:
     # no driver runs it yet: nothing to confirm (no nursery was needed)
     assert (status.state, status.first, status.last) == (int(SourceState.ACTIVE), -1, -1)
     assert reports.acted_on == 0
+
+
+# ------------------------------------------------------------------ publisher
+async def test_the_publisher_sends_the_snapshot_then_changes_and_drops_the_unreachable() -> None:
+    async with ControlNode("md", secret=KEY) as md, ControlNode("p", secret=KEY) as p:
+        got: list[Any] = []
+        p.route(DrcSnapshot, lambda peer, msg: got.append(msg))
+        p.route(DrcInserted, lambda peer, msg: got.append(msg))
+        await p.connect("md", md.address)
+        cache = RadixCache(4)
+        publisher = DrcPublisher(md, CacheServer(cache))
+        md.route(DrcSnapshotRequest, publisher.on_snapshot_request)
+        cache.insert(np.arange(8), [10, 11])  # cached before P subscribes: in the snapshot
+        with trio.fail_after(5):
+            await p.request("md", DrcSnapshotRequest(0), timeout=5)
+        publisher.subscribers.add("gone")  # never connected
+        cache.insert(np.arange(12), [10, 11, 12])
+        await publisher.publish()
+        with trio.fail_after(5):
+            while len(got) < 3:
+                await trio.sleep(0.01)
+        snapshot, covered, inserted = got
+        assert isinstance(snapshot, DrcSnapshot) and len(snapshot.keys) == 2
+        # the event the snapshot covers goes too (its seq tells P's mirror so), then the change
+        assert isinstance(covered, DrcInserted) and covered.seq == snapshot.seq
+        assert isinstance(inserted, DrcInserted) and inserted.seq == snapshot.seq + 1
+        assert len(inserted.keys) == 1  # only the new block
+        assert publisher.subscribers == {"p"}
 
 
 # ------------------------------------------------------------------ endpoint
