@@ -3,9 +3,12 @@
 :func:`measure_failover` starts a child process that registers a member and
 keeps its lease alive, kills it with SIGKILL once a watcher has seen it join,
 and times the kill to the watcher's :class:`MemberLeft`. That is what a router
-waits before it stops sending to a dead MD: the lease's remaining TTL (between
-two thirds of the TTL and all of it, as keep-alives go every third), etcd's
-expiry check, and the watch's delivery.
+waits before it stops sending to a dead MD: the lease's remaining TTL, etcd's
+expiry check (it looks for expired leases every 500 ms) and the watch's
+delivery. The kill comes just after the holder's lease was granted, when the
+whole TTL remains: the worst phase (a keep-alive, every third of the TTL, resets
+it to the whole TTL too), so a sample is the TTL plus detection. An instance
+that dies at a random moment leaves between two thirds of that and all of it.
 
 The child is :mod:`pddnet.directory._holder`.
 """
@@ -54,7 +57,8 @@ def spawn_holder(url: str, cluster: str, name: str, ttl: int) -> subprocess.Pope
 async def measure_failover(
     url: str, *, cluster: str = "failover", ttl: int = 2, join_timeout: float = 60.0
 ) -> FailoverSample:
-    """Register a member from a child process, kill it, time until a watch sees it leave.
+    """Register a member from a child process, kill it just after it joined,
+    time until a watch sees it leave (see the module's docstring).
 
     Raises:
         TransferTimeout: if the child did not join within ``join_timeout``
