@@ -10,7 +10,9 @@ import argparse
 import base64
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -398,3 +400,12 @@ def test_etcd_bench_route_reports_failover_s(etcd: EtcdServer, tmp_path: Path) -
     assert len(samples) == 2 and report["summary"]["failover_s"] == max(samples)
     assert report["summary"]["lease_ttl_s"] == 1
     assert all(0.9 <= s <= 2.0 for s in samples), samples
+
+
+def test_etcd_docs_cluster_example_runs_as_written(etcd: EtcdServer) -> None:
+    """docs/cluster.md's example (it starts its own throwaway etcd)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["['md0']", "MemberJoined", "MemberUpdated", "MemberLeft"]
