@@ -22,12 +22,17 @@ __all__ = [
     "Progress",
     "add_common_arguments",
     "percentiles",
+    "print_missing",
     "print_table",
     "run_install",
     "write_report",
     "pyplot",
 ]
 
+K_EMU_HOW = (
+    "the emulated WAN needs Linux, root, iproute2 (Debian/Ubuntu: apt-get install iproute2)"
+    " and /dev/net/tun"
+)
 K_PROGRESS_LINE_S = 10.0  # off a terminal, a progress line at most this often (and the last)
 
 
@@ -94,6 +99,16 @@ def print_table(rows: Sequence[dict[str, Any]], title: str = "", file: Any = Non
     print("  ".join("-" * w for w in widths), file=file)
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)), file=file)
+
+
+def print_missing(missing: dict[str, str], file: Any = None) -> None:
+    """Print, below a benchmark's table, each peer that was missing and how to get it.
+
+    ``missing`` is what the summary's ``missing_peers`` holds: ``{peer: why it
+    is missing, and how to get it}``; the rows that needed it are not in the table.
+    """
+    for peer, why in missing.items():
+        print(f"missing peer {peer}: {why}", file=file or sys.stdout)
 
 
 def _fmt(v: Any) -> str:

@@ -32,7 +32,10 @@ typed error in time, as ``BlocksReleased.error``),
 ``missing_position`` in a finished stream, or ``duplicate_position``),
 ``leaked_blocks``, ``crashed`` (a decoder that died although no fault killed
 it) and ``rss_growth`` (bytes, the largest growth of one role process within
-an episode). See docs/reliability.md.
+an episode). What the run lacks to inject its faults as asked (the emulated
+WAN; ``ss`` for ``stream_reset``, whose episodes are then not run) is named
+below the tables with how to get it, and in the summary's ``missing_peers``.
+See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,13 +54,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..emu import GilbertElliott, Testbed, emulated_wan, netem_available, unavailable_reason
 from ..recompute import TINY, ReferenceModel, greedy
-from ._common import add_common_arguments, print_table, write_report
+from ._common import K_EMU_HOW, add_common_arguments, print_missing, print_table, write_report
 from ._faults_peer import rss_kb
 
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "check_episode",
     "journal_requests",
     "main",
+    "missing_peers",
     "passed",
     "reference",
     "run_episode",
@@ -531,6 +536,26 @@ def _plan(args: argparse.Namespace, faults: list[str]) -> list[str]:
     return [*faults, *(rng.choice(faults) for _ in range(100_000))]
 
 
+def missing_peers(no_wan: str | None, faults: Iterable[str]) -> dict[str, str]:
+    """What the run lacks to inject ``faults`` as asked, and how to get it.
+
+    Args:
+        no_wan: why there is no emulated WAN (``unavailable_reason()``), or None.
+        faults: the faults asked for.
+    """
+    if no_wan is not None:
+        return {
+            "emulated WAN": f"{no_wan}: the episodes run on loopback (no link to take down, "
+            f"no bursty loss, no stream resets); {K_EMU_HOW}"
+        }
+    if "stream_reset" in faults and shutil.which("ss") is None:
+        return {
+            "ss": "ss not found on PATH: the stream_reset episodes are not run; install "
+            "iproute2 (Debian/Ubuntu: apt-get install iproute2; Fedora: dnf install iproute)"
+        }
+    return {}
+
+
 def main(args: argparse.Namespace) -> int:
     faults = [f for f in args.faults.split(",") if f]
     unknown = set(faults) - set(FAULTS)
@@ -543,12 +568,16 @@ def main(args: argparse.Namespace) -> int:
     plan = _plan(args, faults)
     if args.long_lived:  # one episode filling the time (minus settling), faults within
         plan, episode_s, args.parallel = ["mixed"], max(20.0, total - 45.0), 1
+    reason = None
     if not args.loopback:
         reason = unavailable_reason()  # probe once, before the threads race on it
         if reason is None:
             netem_available()  # the same: its probe namespace has a fixed name
         else:
             print(f"pddnet bench faults: no emulated WAN ({reason}); running on loopback")
+    missing = missing_peers(reason, faults)
+    if "ss" in missing:
+        plan = [f for f in plan if f != "stream_reset"]
     t0 = time.monotonic()
     rss0 = rss_kb(os.getpid())
     results: list[tuple[int, str, dict[str, Any]]] = []
@@ -627,10 +656,16 @@ def main(args: argparse.Namespace) -> int:
         faults_seen=sorted({f for _, f, _ in results}),
         episodes_failed_to_run=failures,
     )
+    if missing:
+        summary["missing_peers"] = missing
     if args.long_lived and results:
         summary["rss_growth_second_half_kb"] = second_half_growth(results[0][2]["rss_samples"])
     print_table(rows, title="\nfault episodes")
-    print_table([{"metric": k, "value": v} for k, v in summary.items()], title="summary")
+    print_table(
+        [{"metric": k, "value": v} for k, v in summary.items() if k != "missing_peers"],
+        title="summary",
+    )
+    print_missing(missing)
     episodes = [
         {k: v for k, v in ep.items() if k != "requests"} | {"episode": i} for i, _, ep in results
     ]

@@ -53,7 +53,15 @@ from typing import Any
 import numpy as np
 
 from .._errors import LocalProtocolError, TransportError
-from ._common import Progress, add_common_arguments, print_table, pyplot, write_report
+from ._common import (
+    K_EMU_HOW,
+    Progress,
+    add_common_arguments,
+    print_missing,
+    print_table,
+    pyplot,
+    write_report,
+)
 from ._handoff_plan import (
     K_DEFAULT_GROUP,
     K_DEFAULT_KV_BYTES_PER_TOKEN,
@@ -553,6 +561,14 @@ def main(args: argparse.Namespace) -> int:
 
         fallback = unavailable_reason() or ""
     emulate = not fallback
+    missing: dict[str, str] = {}
+    if fallback and not args.loopback:
+        missing["emulated WAN"] = f"{fallback}: measured on loopback; {K_EMU_HOW}"
+    if args.device == "auto" and device == "numpy":
+        missing["cupy"] = (
+            "no CUDA device with CuPy: recompute measured with NumPy on the CPU, the GPU"
+            " figures are a cost model; on a CUDA host: pip install -e '.[gpu]'"
+        )
     if not emulate:
         print(
             f"NOTE: no emulated WAN ({fallback}): running on LOOPBACK, unshaped; "
@@ -585,10 +601,13 @@ def main(args: argparse.Namespace) -> int:
             )
     rows = _rows(results)
     print_table(rows, title="handoff latency (RLD clock; payload = bytes on the wire per handoff)")
+    print_missing(missing)
     n_main = 100 if 100 in tokens else tokens[0]
     summary = _summary(results, n_main, choice, args)
     summary["device"] = device
     summary["fallback"] = fallback or None
+    if missing:
+        summary["missing_peers"] = missing
     gm = summary["gpu_cost_model"]
     print_table(
         [

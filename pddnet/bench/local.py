@@ -41,7 +41,9 @@ Rows, each in two transport settings where it applies (``sm``:
 * ``mooncake``: the Mooncake Transfer Engine (``tcp`` protocol), same venv.
 
 A peer that cannot be installed or run gets its exact error in the JSON, and
-the run goes on.
+the run goes on. A peer that is not there at all (ucxx in pddnet's environment,
+NIXL or Mooncake in ``--peer-venv``: :data:`K_PEERS`) is named below the table
+with how to get it, and in the summary's ``missing_peers``; its rows are not run.
 
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
 16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
@@ -67,12 +69,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._common import add_common_arguments, print_table, run_install, write_report
+from ._common import add_common_arguments, print_missing, print_table, run_install, write_report
 
 K_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
@@ -89,6 +92,29 @@ K_PAIRED_RATIOS = {
     "nocma_ratio_16mib": ("pddnet_nocma", "pddnet"),  # without cma over with it
 }
 K_PAIRED_ITERS = {True: 20, False: 60}  # transfers per paired run (quick, full)
+# peer: (the rows that need it, what they import, in --peer-venv (else here), how to get it)
+K_PEERS: dict[str, tuple[tuple[str, ...], str, bool, str]] = {
+    "ucxx": (
+        ("pddnet", "pddnet_poll", "pddnet_nocma", "raw_ucxx", "raw_ucxx_epoll"),
+        "ucxx",
+        False,
+        "install pddnet's ucx extra (pip install -e '.[ucx]': ucxx-cu12)",
+    ),
+    "nixl": (
+        ("nixl", "nixl_notif"),
+        "nixl_cu12._api",
+        True,
+        "rerun with --install-peers (pip installs nixl-cu12 into --peer-venv)",
+    ),
+    "mooncake": (
+        ("mooncake",),
+        "mooncake.engine",
+        True,
+        "rerun with --install-peers (pip installs mooncake-transfer-engine-non-cuda"
+        " into --peer-venv)",
+    ),
+}
+_PEER_OF = {row: peer for peer, (rows, *_) in K_PEERS.items() for row in rows}
 
 
 def _iters(size: int, quick: bool) -> int:
@@ -471,6 +497,29 @@ def _install_peers(venv: str, errors: dict[str, str]) -> None:
     run_install(cmds, errors)
 
 
+def missing_peers(peer_venv: str, names: Iterable[str]) -> dict[str, str]:
+    """Each peer of :data:`K_PEERS` that the rows ``names`` need and that does
+    not import, with how to get it (the summary's ``missing_peers``)."""
+    out: dict[str, str] = {}
+    wanted = set(names)
+    for peer, (rows, module, in_venv, how) in K_PEERS.items():
+        if not wanted & set(rows):
+            continue
+        python = str(Path(peer_venv) / "bin" / "python") if in_venv else sys.executable
+        if not Path(python).exists():
+            out[peer] = f"no peer environment at {peer_venv}; {how}"
+            continue
+        try:
+            r = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=120)
+            why = (r.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+            failed = r.returncode != 0
+        except subprocess.TimeoutExpired:
+            failed, why = True, "timed out after 120 s"
+        if failed:
+            out[peer] = f"import {module} failed in {python} ({why[:200]}); {how}"
+    return out
+
+
 def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, list[float | None]]:
     """Median µs per ``size`` transfer of each :data:`K_PAIRED` row (``sm``), per round.
 
@@ -555,14 +604,15 @@ def main(args: argparse.Namespace) -> int:
         cpus = sorted(os.sched_getaffinity(0))
         pin = {"PDDNET_BENCH_CPU_SERVER": str(cpus[0]), "PDDNET_BENCH_CPU_CLIENT": str(cpus[1])}
     rows: list[dict[str, Any]] = []
+    missing = missing_peers(args.peer_venv, [n for n in impls if not args.only or n in args.only])
 
     def run(
         name: str, mode: str, sizes: list[int], iters: dict[str, int], label: str = ""
     ) -> list[dict[str, Any]]:
         code, python, _modes, extra, one_way = impls[name]
         key = f"{name}/{mode}{label}"
-        if not Path(python).exists():
-            errors[key] = f"no peer environment at {args.peer_venv} (use --install-peers)"
+        if _PEER_OF.get(name) in missing:
+            errors[key] = missing[_PEER_OF[name]]
             return []
         env = {**_child_env(K_TLS[mode]), **extra, **pin}
         try:
@@ -593,6 +643,7 @@ def main(args: argparse.Namespace) -> int:
                     row["server_cpu_us"] = (r.get("server_cpu_s") or 0.0) * 1e6
                 rows.append(row)
     print_table(rows, title="local path, two processes (median)")
+    print_missing(missing)
     mib16 = 16 << 20
     paired = _paired_rounds(run, args, mib16)
 
@@ -673,6 +724,8 @@ def main(args: argparse.Namespace) -> int:
             "latency_ratio_vs_nixl_4kib": "<= 1.5",
         },
     }
+    if missing:
+        summary["missing_peers"] = missing
     if summary["ratio_vs_nixl_16mib"] is None:
         summary["nixl_error"] = errors.get("nixl/sm", "not run")
     write_report(args.json, summary, rows=rows, errors=errors, iterations=iters)
