@@ -213,7 +213,7 @@ async def test_etcd_killed_holder_drops_out_within_the_ttl(etcd: EtcdServer, clu
             child.wait()
     assert isinstance(ev, MemberLeft) and ev.name == "md-child"
     # the lease's rest (<= TTL) + etcd's expiry loop (500 ms) + a loaded machine's margin
-    assert gone_after <= ttl + 1.0, gone_after
+    assert gone_after <= ttl + 1.5, gone_after
     async with EtcdDirectory(etcd.url, cluster=cluster) as d:
         assert await d.members() == []
 
@@ -251,11 +251,39 @@ async def test_etcd_lost_lease_registers_everything_again(etcd: EtcdServer, clus
         assert {m.name for m in await watcher.members()} == {"md0", "rld0"}
 
 
+async def test_etcd_put_under_a_lost_lease_moves_every_member_to_a_new_one(
+    etcd: EtcdServer, cluster: str
+) -> None:
+    """A load update that meets etcd's "lease not found" (before any keep-alive
+    noticed) grants a new lease and puts the handle's other members under it too."""
+    async with (
+        EtcdDirectory(etcd.url, cluster=cluster, ttl=30) as a,
+        EtcdDirectory(etcd.url, cluster=cluster) as watcher,
+        watcher.watch() as events,
+    ):
+        await a.register(info("md0"))
+        await a.register(info("rld0", "relay"))
+        assert {(await next_event(events)).member.name for _ in range(2)} == {"md0", "rld0"}
+        old = a.statistics().lease_id
+        status, _ = await post_json(
+            HttpAddress(etcd.url), "/v3/lease/revoke", {"ID": str(old)}, timeout=5, max_bytes=4096
+        )
+        assert status == 200
+        assert {(await next_event(events)).name for _ in range(2)} == {"md0", "rld0"}
+        await a.update_load("md0", Load(active=5))
+        stats = a.statistics()
+        assert stats.leases_lost == 1 and stats.lease_id not in (0, old)
+        assert stats.keepalives == 0  # the put found out, not a keep-alive (every 10 s)
+        back = {m.name: m.load.active for m in await watcher.members()}
+        assert back == {"md0": 5, "rld0": 0}
+        assert await a.granted_ttl("relay", "rld0") == 30
+
+
 async def test_measure_failover_reports_the_lease_ttl_plus_detection(etcd: EtcdServer) -> None:
     sample = await measure_failover(etcd.url, ttl=1)
     assert sample.lease_ttl == 1
     # killed just after the grant: the whole TTL, plus etcd's 500 ms expiry check
-    assert 0.9 <= sample.failover_s <= 1.0 + 1.0, sample
+    assert 0.9 <= sample.failover_s <= 1.0 + 1.5, sample
 
 
 # -- etcd down, frozen, restarted --------------------------------------------------------
@@ -371,6 +399,9 @@ async def test_etcd_client_bounds_what_a_gateway_sends() -> None:
         with pytest.raises(RemoteProtocolError, match="malformed JSON"):
             async with EtcdDirectory(url) as d:
                 await d.members()
+    async with fake_gateway(b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nnot found") as url:
+        with pytest.raises(RemoteProtocolError, match="HTTP 404: not found"):
+            await EtcdDirectory(url).members()
     async with fake_gateway(b"not http at all\r\n\r\n") as url:
         with pytest.raises(RemoteProtocolError, match="bad HTTP"):
             await EtcdDirectory(url).members()
@@ -399,7 +430,7 @@ def test_etcd_bench_route_reports_failover_s(etcd: EtcdServer, tmp_path: Path) -
     samples = [s["failover_s"] for s in report["failover_samples"]]
     assert len(samples) == 2 and report["summary"]["failover_s"] == max(samples)
     assert report["summary"]["lease_ttl_s"] == 1
-    assert all(0.9 <= s <= 2.0 for s in samples), samples
+    assert all(0.9 <= s <= 2.5 for s in samples), samples
 
 
 def test_etcd_docs_cluster_example_runs_as_written(etcd: EtcdServer) -> None:

@@ -446,6 +446,3 @@ class EtcdDirectory(Directory):
                 nursery.cancel_scope.cancel()
             if stack is not None:
                 await stack.aclose()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()

@@ -129,8 +129,8 @@ async def post_json(
     Raises:
         TransferTimeout: if the answer is not complete within ``timeout`` s.
         PeerUnavailable: if the server cannot be reached or drops the connection.
-        RemoteProtocolError: if the answer is not HTTP, not a JSON object, or
-            longer than ``max_bytes``.
+        RemoteProtocolError: if the answer is not HTTP, not a JSON object (an
+            error status without one included), or longer than ``max_bytes``.
     """
     where = f"{addr.url}{path}"
     with trio.move_on_after(timeout):
@@ -143,6 +143,9 @@ async def post_json(
                         raise RemoteProtocolError(
                             f"{where}: answer longer than {max_bytes} bytes", peer=addr.url
                         )
+            if status != 200 and not body.lstrip().startswith(b"{"):
+                text = bytes(body[:200]).decode(errors="replace")
+                raise RemoteProtocolError(f"{where}: HTTP {status}: {text}", peer=addr.url)
             return status, _parse(where, bytes(body))
     raise TransferTimeout(f"{where} did not answer within {timeout:g}s", peer=addr.url)
 
