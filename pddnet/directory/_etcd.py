@@ -156,7 +156,9 @@ class EtcdDirectory(Directory):
         if not isinstance(kv, dict) or not isinstance(kv.get("key"), str):
             raise RemoteProtocolError(f"etcd at {self.url}: a malformed key-value", peer=self.url)
         value = kv.get("value", "")
-        if not isinstance(value, str) or len(value) > K_MAX_B64_VALUE:
+        if not isinstance(value, str):
+            raise RemoteProtocolError(f"etcd at {self.url}: a malformed value", peer=self.url)
+        if len(value) > K_MAX_B64_VALUE:
             raise RemoteProtocolError(
                 f"etcd at {self.url}: a value over {K_MAX_VALUE} bytes", peer=self.url
             )
