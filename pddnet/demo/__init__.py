@@ -209,6 +209,9 @@ def _run(
     if reason is None:
         with emulated_wan(args.rtt, rate=_rate(args), loss=args.loss, mtu=1500) as wan:
             hosts = {"prefill": wan.p, "relay": wan.rld, "main": wan.md}
+            out["local_path"] = choose_local_path(
+                cfg, wan.rld.spawn, wan.p.spawn, "dc-a-p -> dc-a-rld"
+            )
             addrs = {r: h.addr for r, h in hosts.items()}
             for i, name in enumerate(_PHASES):
                 # each role runs in its host's namespace; new ports for each phase
@@ -224,9 +227,6 @@ def _run(
     )
     for name in _PHASES:
         phase(
-            out["local_path"] = choose_local_path(
-                cfg, wan.rld.spawn, wan.p.spawn, "dc-a-p -> dc-a-rld"
-            )
             name,
             dict.fromkeys(_ROLES, "127.0.0.1"),
             {r: _free_port() for r in _ROLES},
