@@ -17,8 +17,9 @@ pddnet rows also give CPU time per transfer (``cpu_us`` sender,
 client to another unless ``--no-pin`` (busy-polling peers collapse when the
 OS puts both on one core).
 
-Rows, each in two transport settings where it applies (``sm``:
-``UCX_TLS=tcp,sm,self``, which takes shared memory; ``tcp``: ``UCX_TLS=tcp,self``):
+Rows, each in up to three transport settings (``sm``: ``UCX_TLS=tcp,sm,self``,
+which takes shared memory; ``tcp``: ``UCX_TLS=tcp,self`` on this host's
+loopback; ``xhost``: two hosts, below):
 
 * ``pddnet``: :class:`~pddnet.transport.local.UcxSender` /
   :class:`~pddnet.transport.local.UcxReceiver` driven from trio (grants made
@@ -45,6 +46,20 @@ the run goes on. A peer that is not there at all (ucxx in pddnet's environment,
 NIXL or Mooncake in ``--peer-venv``: :data:`K_PEERS`) is named below the table
 with how to get it, and in the summary's ``missing_peers``; its rows are not run.
 
+**Cross-host (the headline, ``xhost``).** In a real deployment P and RLD are
+different hosts, where shared memory and ``cma`` never apply. The ``xhost``
+rows run the receiver in the testbed's ``dc-a-rld`` and the sender in
+``dc-a-p`` (network namespaces, a veth each on one bridge, built on first use
+and torn down at the end; root only, else the rows' error says why), with
+``UCX_TLS=tcp,self`` for every UCX user (pddnet, raw ucxx, NIXL) and the
+plain TCP socket to the receiver's address. ``crosshost_ratio_vs_nixl_16mib``,
+``crosshost_ratio_vs_tcp_16mib`` and ``crosshost_ratio_vs_raw_ucxx_16mib`` are
+medians of paired 16 MiB rounds of :data:`K_CROSSHOST_PAIRED` as below;
+``crosshost_gb_per_s_16mib`` is pddnet's median over those rounds;
+``one_way_ratio_vs_nixl_notif_4kib`` is pddnet's default mode's 4 KiB
+one-way time over NIXL WRITE + notification's, cross-host, from the table.
+The same-host keys below stay as they were.
+
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
 16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
 the same code), more than the differences measured. So
@@ -63,6 +78,7 @@ single-pass ratios are kept as ``..._single_pass``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -75,11 +91,14 @@ from typing import Any
 
 import numpy as np
 
+from ..emu import Testbed, emulated_wan, unavailable_reason
 from ._common import add_common_arguments, print_missing, print_table, run_install, write_report
 
 K_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
-K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self"}
+# xhost: server in the testbed's dc-a-rld, client in dc-a-p (a veth each, one
+# bridge): no shared memory and no cma for anyone, as between two hosts
+K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self", "xhost": "tcp,self"}
 K_PEER_VENV = "/tmp/pdd-bench-venv"
 K_POLL_US = 300.0
 K_PAIRED = ("pddnet_nocma", "pddnet", "raw_ucxx", "nixl")  # rerun in paired 16 MiB rounds
@@ -92,6 +111,13 @@ K_PAIRED_RATIOS = {
     "nocma_ratio_16mib": ("pddnet_nocma", "pddnet"),  # without cma over with it
 }
 K_PAIRED_ITERS = {True: 20, False: 60}  # transfers per paired run (quick, full)
+# The cross-host headline: paired 16 MiB rounds in the xhost mode
+K_CROSSHOST_PAIRED = ("pddnet", "raw_ucxx", "nixl", "tcp")
+K_CROSSHOST_RATIOS = {
+    "crosshost_ratio_vs_nixl_16mib": ("pddnet", "nixl"),
+    "crosshost_ratio_vs_tcp_16mib": ("pddnet", "tcp"),  # one plain TCP socket
+    "crosshost_ratio_vs_raw_ucxx_16mib": ("pddnet", "raw_ucxx"),
+}
 # peer: (the rows that need it, what they import, in --peer-venv (else here), how to get it)
 K_PEERS: dict[str, tuple[tuple[str, ...], str, bool, str]] = {
     "ucxx": (
@@ -288,6 +314,7 @@ finish()
 _TCP = """
 import socket
 role = sys.argv[1]
+HOST = os.environ.get("PDDNET_BENCH_HOST", "127.0.0.1")  # xhost: the receiver's address
 def recv_exact(s, mv):
     got = 0
     while got < len(mv):
@@ -296,7 +323,7 @@ def recv_exact(s, mv):
             raise ConnectionError("peer closed")
         got += n
 if role == "server":
-    ls = socket.create_server(("127.0.0.1", 0))
+    ls = socket.create_server((HOST, 0))
     out({"address": ls.getsockname()[1]})
     s, _ = ls.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -311,7 +338,7 @@ if role == "server":
     inp()
 else:
     hello = inp()
-    s = socket.create_connection(("127.0.0.1", hello["address"]))
+    s = socket.create_connection((HOST, hello["address"]))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = memoryview(bytearray(8))
     for size in SIZES:
@@ -428,8 +455,12 @@ def run_pair(
     timeout: float,
     *,
     one_way: bool = False,
+    spawn: tuple[Any, Any] = (subprocess.Popen, subprocess.Popen),
 ) -> list[dict[str, Any]]:
     """Run a server and a client child; returns the client's per-size results.
+
+    ``spawn`` starts the server and the client (``Popen``'s signature; the
+    testbed's :meth:`~pddnet.emu.Host.spawn` puts them in two namespaces).
 
     With ``one_way`` the server reports, per size, when each transfer completed
     on its side; ``one_way_s`` is then the median of (receiver completion -
@@ -444,8 +475,8 @@ def run_pair(
     popen = dict(
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    srv = subprocess.Popen([python, "-c", script, "server", *args], **popen)  # type: ignore[call-overload]
-    cli = subprocess.Popen([python, "-c", script, "client", *args], **popen)  # type: ignore[call-overload]
+    srv = spawn[0]([python, "-c", script, "server", *args], **popen)
+    cli = spawn[1]([python, "-c", script, "client", *args], **popen)
     deadline = time.monotonic() + timeout
     results: list[dict[str, Any]] = []
 
@@ -520,25 +551,47 @@ def missing_peers(peer_venv: str, names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, list[float | None]]:
-    """Median µs per ``size`` transfer of each :data:`K_PAIRED` row (``sm``), per round.
+class _Hosts:
+    """The cross-host rows' two hosts: the testbed's dc-a-p and dc-a-rld (their
+    DC-A link, a veth each on one bridge, is not shaped), built on first use
+    and torn down with ``stack``; or why there are none (a string)."""
+
+    def __init__(self) -> None:
+        self._testbed: Testbed | str | None = None
+
+    def __call__(self, stack: contextlib.ExitStack) -> Testbed | str:
+        if self._testbed is None:
+            self._testbed = unavailable_reason() or stack.enter_context(emulated_wan("1ms"))
+        return self._testbed
+
+
+def _paired_rounds(
+    run: Any,
+    args: argparse.Namespace,
+    size: int,
+    rows: tuple[str, ...] = K_PAIRED,
+    ratios: dict[str, tuple[str, str]] = K_PAIRED_RATIOS,
+    mode: str = "sm",
+) -> dict[str, list[float | None]]:
+    """Median µs per ``size`` transfer of each row of ``rows`` (in ``mode``), per round.
 
     Each round runs them back to back in fresh processes, the order rotating,
     so each ratio compares runs seconds apart rather than minutes. A run that
-    failed is None (``run`` records its error under the round's name).
+    failed is None (``run`` records its error under the round's name). Empty
+    when no pair of ``ratios`` has both rows to run.
     """
-    names = [n for n in K_PAIRED if not args.only or n in args.only]
+    names = [n for n in rows if not args.only or n in args.only]
     rounds = args.rounds if args.rounds is not None else (7 if args.quick else 11)
-    if rounds <= 0 or not any(a in names and b in names for a, b in K_PAIRED_RATIOS.values()):
+    if rounds <= 0 or not any(a in names and b in names for a, b in ratios.values()):
         return {}
     n = K_PAIRED_ITERS[bool(args.quick)]
     out: dict[str, list[float | None]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            res = run(name, "sm", [size], {str(size): n}, f" paired round {r + 1}")
+            res = run(name, mode, [size], {str(size): n}, f" paired round {r + 1}")
             out[name].append(res[0]["median_s"] * 1e6 if res else None)
         print(
-            f"paired 16 MiB round {r + 1}/{rounds}: "
+            f"paired 16 MiB {mode} round {r + 1}/{rounds}: "
             + ", ".join(
                 f"{k} {'failed' if v[-1] is None else f'{v[-1]:.0f} µs'}" for k, v in out.items()
             ),
@@ -547,18 +600,21 @@ def _paired_rounds(run: Any, args: argparse.Namespace, size: int) -> dict[str, l
     return out
 
 
-def paired_ratios(paired: dict[str, list[float | None]]) -> dict[str, Any]:
+def paired_ratios(
+    paired: dict[str, list[float | None]],
+    ratios: dict[str, tuple[str, str]] = K_PAIRED_RATIOS,
+) -> dict[str, Any]:
     """The summary's paired ratios from :func:`_paired_rounds`' times.
 
     Returns:
-        for each key of :data:`K_PAIRED_RATIOS`: the median of the per-round
+        for each key of ``ratios``: the median of the per-round
         ratios (None if no round has one), ``<key>_rounds`` (each round's
         ratio, None where a side failed; empty if a side was not run), and
         ``failed_rounds``: ``{key: rounds without a ratio}``.
     """
     out: dict[str, Any] = {}
     failed: dict[str, int] = {}
-    for key, (base, peer) in K_PAIRED_RATIOS.items():
+    for key, (base, peer) in ratios.items():
         pairs = zip(paired.get(base, []), paired.get(peer, []), strict=False)
         rounds = [b / a if a and b else None for a, b in pairs]
         ok = [x for x in rounds if x is not None]
@@ -570,6 +626,12 @@ def paired_ratios(paired: dict[str, list[float | None]]) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the table and the paired rounds (same host, then cross-host); write the summary."""
+    with contextlib.ExitStack() as stack:
+        return _main(args, stack)
+
+
+def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     sizes = K_QUICK_SIZES if args.quick else K_SIZES
     iters = {str(s): _iters(s, args.quick) for s in sizes}
     errors: dict[str, str] = {}
@@ -580,8 +642,8 @@ def main(args: argparse.Namespace) -> int:
     poll = {**secret, "PDDNET_BENCH_POLL_US": str(args.poll_us)}
     # name: (child code, interpreter, modes, extra environment, receiver reports one-way)
     impls: dict[str, tuple[str, str, list[str], dict[str, str], bool]] = {
-        "pddnet": (_PDDNET, sys.executable, ["sm", "tcp"], secret, True),
-        "pddnet_poll": (_PDDNET, sys.executable, ["sm", "tcp"], poll, True),
+        "pddnet": (_PDDNET, sys.executable, ["sm", "tcp", "xhost"], secret, True),
+        "pddnet_poll": (_PDDNET, sys.executable, ["sm", "tcp", "xhost"], poll, True),
         "pddnet_nocma": (
             _PDDNET,
             sys.executable,
@@ -589,11 +651,11 @@ def main(args: argparse.Namespace) -> int:
             {**secret, "PDDNET_BENCH_CMA": "0"},
             True,
         ),
-        "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp"], {}, True),
+        "raw_ucxx": (_RAW_UCXX, sys.executable, ["sm", "tcp", "xhost"], {}, True),
         "raw_ucxx_epoll": (_RAW_UCXX, sys.executable, ["sm"], {"PDDNET_RAW_BLOCKING": "1"}, True),
-        "tcp": (_TCP, sys.executable, ["tcp"], {}, True),
-        "nixl": (_NIXL, peer_py, ["sm", "tcp"], {}, False),
-        "nixl_notif": (_NIXL, peer_py, ["sm"], {"PDDNET_NIXL_NOTIF": "1"}, True),
+        "tcp": (_TCP, sys.executable, ["tcp", "xhost"], {}, True),
+        "nixl": (_NIXL, peer_py, ["sm", "tcp", "xhost"], {}, False),
+        "nixl_notif": (_NIXL, peer_py, ["sm", "xhost"], {"PDDNET_NIXL_NOTIF": "1"}, True),
         "mooncake": (_MOONCAKE, peer_py, ["tcp"], {}, False),
     }
     # Busy-polling peers (raw ucxx, NIXL, pddnet_poll) collapse when the OS puts
@@ -604,6 +666,7 @@ def main(args: argparse.Namespace) -> int:
         cpus = sorted(os.sched_getaffinity(0))
         pin = {"PDDNET_BENCH_CPU_SERVER": str(cpus[0]), "PDDNET_BENCH_CPU_CLIENT": str(cpus[1])}
     rows: list[dict[str, Any]] = []
+    hosts = _Hosts()
     missing = missing_peers(args.peer_venv, [n for n in impls if not args.only or n in args.only])
 
     def run(
@@ -615,8 +678,18 @@ def main(args: argparse.Namespace) -> int:
             errors[key] = missing[_PEER_OF[name]]
             return []
         env = {**_child_env(K_TLS[mode]), **extra, **pin}
+        spawn: tuple[Any, Any] = (subprocess.Popen, subprocess.Popen)
+        if mode == "xhost":  # the receiver in dc-a-rld, the sender in dc-a-p
+            testbed = hosts(stack)
+            if isinstance(testbed, str):
+                errors[key] = f"no network namespaces here: {testbed}"
+                return []
+            env["PDDNET_BENCH_HOST"] = testbed.rld.addr
+            spawn = (testbed.rld.spawn, testbed.p.spawn)
         try:
-            return run_pair(code, python, sizes, iters, env, args.timeout, one_way=one_way)
+            return run_pair(
+                code, python, sizes, iters, env, args.timeout, one_way=one_way, spawn=spawn
+            )
         except Exception as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
             print(f"{key}: {errors[key][:300]}", file=sys.stderr)
@@ -646,6 +719,10 @@ def main(args: argparse.Namespace) -> int:
     print_missing(missing)
     mib16 = 16 << 20
     paired = _paired_rounds(run, args, mib16)
+    xpaired = _paired_rounds(run, args, mib16, K_CROSSHOST_PAIRED, K_CROSSHOST_RATIOS, "xhost")
+    xratios = paired_ratios(xpaired, K_CROSSHOST_RATIOS)
+    xratios["crosshost_failed_rounds"] = xratios.pop("failed_rounds")
+    x_us = [t for t in xpaired.get("pddnet", []) if t]
 
     def pick(impl: str, mode: str, size: int, field: str) -> float | None:
         for r in rows:
@@ -657,9 +734,27 @@ def main(args: argparse.Namespace) -> int:
         return None if a is None or b is None else a / b
 
     summary: dict[str, Any] = {
-        # Medians of paired rounds (see the module's docstring); throughput
-        # ratio = the peer's time per 16 MiB transfer over pddnet's. The
-        # headline ones use the receiver as RLD deploys it (no cma).
+        # The headline: two hosts without shared memory (the testbed's dc-a-p ->
+        # dc-a-rld, UCX_TLS=tcp,self for every UCX user), medians of paired
+        # rounds; throughput ratio = the peer's time per 16 MiB over pddnet's.
+        **xratios,
+        "crosshost_gb_per_s_16mib": mib16 / float(np.median(x_us)) / 1e3 if x_us else None,
+        "crosshost_paired_16mib_us": xpaired,
+        "crosshost_single_pass_gb_per_s_16mib": {
+            name: pick(name, "xhost", mib16, "gb_per_s") for name in K_CROSSHOST_PAIRED
+        },
+        # 4 KiB, cross-host, sender start -> the receiver knows: pddnet's default
+        # mode against NIXL WRITE + notification, same run
+        "one_way_ratio_vs_nixl_notif_4kib": ratio(
+            pick("pddnet", "xhost", 4096, "one_way_us"),
+            pick("nixl_notif", "xhost", 4096, "one_way_us"),
+        ),
+        "crosshost_one_way_4kib_us": {
+            name: pick(name, "xhost", 4096, "one_way_us")
+            for name in ("pddnet", "pddnet_poll", "raw_ucxx", "tcp", "nixl_notif")
+        },
+        # Same host (shared memory), medians of paired rounds (see the module's
+        # docstring). These use the receiver as RLD deploys it (no cma).
         **paired_ratios(paired),
         "paired_16mib_us": paired,
         "ratio_vs_raw_ucxx_16mib_single_pass": ratio(
@@ -719,6 +814,9 @@ def main(args: argparse.Namespace) -> int:
         ),
         "tcp_16mib_gb_per_s": pick("tcp", "tcp", mib16, "gb_per_s"),
         "targets": {
+            "crosshost_ratio_vs_nixl_16mib": ">= 1.0",
+            "crosshost_ratio_vs_tcp_16mib": ">= 1.0",
+            "one_way_ratio_vs_nixl_notif_4kib": "<= 2.0",
             "ratio_vs_nixl_16mib": ">= 1.0",
             "ratio_vs_raw_ucxx_16mib": ">= 0.9",
             "latency_ratio_vs_nixl_4kib": "<= 1.5",
