@@ -12,6 +12,7 @@ import trio
 import zmq
 
 from pddnet import AuthError, PeerUnavailable, RemoteCallError, TransferTimeout
+from pddnet.bench._hostile_control import raw_dealer
 from pddnet.control import ControlNode
 from pddnet.wire import FrameKind, Hello, Message, Ping, Pong, encode_frame
 
@@ -56,11 +57,9 @@ async def test_request_reply_and_events_across_processes(server: str) -> None:
 
 
 async def test_forged_and_replayed_frames_are_dropped(server: str) -> None:
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.setsockopt(zmq.IDENTITY, b"mallory")
-    raw.connect(server)
+    # A bare socket that passes the CURVE handshake (it holds the key): the
+    # frame checks behind it still refuse a wrong MAC, a replay, a spoofed sender.
+    raw = raw_dealer(zmq.Context.instance(), server, b"mallory", key=KEY.encode())
     try:
         async with ControlNode("client", secret=KEY) as node:
             await node.connect("server", server)
@@ -161,3 +160,22 @@ def test_missing_secret_is_an_auth_error(monkeypatch: pytest.MonkeyPatch) -> Non
         ControlNode("x", secret="short")
     monkeypatch.setenv("PDDNET_SECRET", KEY)
     assert ControlNode("x").name == "x"
+
+
+async def test_a_node_with_another_secret_is_refused_at_the_handshake(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with (
+        ControlNode("md", secret=KEY) as md,
+        ControlNode("p0", secret="another-secret-0123456789abcdef") as p0,
+        ControlNode("p1", secret=KEY) as p1,
+    ):
+        await p0.connect("md", md.address)
+        await p1.connect("md", md.address)
+        with pytest.raises(TransferTimeout):
+            await p0.ping("md", timeout=1)
+        assert await p1.ping("md", timeout=5) >= 0
+        st = md.statistics()
+    assert st.rejected_handshakes >= 1  # p0's connection never got to send a frame
+    assert st.received == st.delivered == 1  # p1's ping, nothing from p0
+    assert any("CURVE handshake failed" in r.getMessage() for r in caplog.records)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pddnet import LocalProtocolError
+from pddnet.bench._hostile_control import raw_dealer
 from pddnet.control import ControlNode
 from pddnet.control._paths import K_MAX_PATHS, PathGuard, Verdict, path_identity, split_identity
 from pddnet.wire import Message, Ping, Pong, encode_frame, message
@@ -252,13 +253,11 @@ async def test_a_forged_twin_identity_is_not_learned_and_replays_are_not_deliver
         got: list[int] = []
         b.route(Tick, lambda peer, msg: got.append(msg.n))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        socks = []
-        for ident in (b"mallory", b"mallory\x00\x01"):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IDENTITY, ident)
-            s.connect(b.address)
-            socks.append(s)
+        # bare sockets holding the key (they pass CURVE), sending hand-made frames
+        socks = [
+            raw_dealer(ctx, b.address, ident, key=KEY.encode())
+            for ident in (b"mallory", b"mallory\x00\x01")
+        ]
         try:
             forged = encode_frame(
                 Tick(0), key=b"x" * 32, src="mallory", dst="b", seq=time.time_ns()

@@ -8,6 +8,19 @@ DEALER to the peer's ROUTER. Messages may flow either way on either socket:
 ``send(peer, ...)`` uses our DEALER to ``peer`` if we opened one, otherwise
 the ROUTER route ``peer`` opened to us.
 
+Connections are authenticated before they carry a frame: every socket runs
+zmq's CURVE mechanism with a key pair derived from the shared secret
+(:func:`~pddnet.control._secret.curve_keys`), so a peer without the secret
+fails the ZMTP handshake and zmq closes its connection before it has a
+routing identity: a stranger can neither claim a node's name nor receive a
+frame (and frames are encrypted on the wire). Because only peers holding the
+secret get that far, the ROUTER sets ``ROUTER_HANDOVER``: a node that
+reconnects under its name (a restart, a new connection) takes the name over
+at once and zmq ends the stale connection. A connection that has not
+finished the handshake within 3 s (``HANDSHAKE_IVL``) is closed. Failed
+handshakes are counted (``rejected_handshakes``) and logged at most once a
+second.
+
 Every socket has one reader task. The zmq FD is *edge-triggered*: it becomes
 readable when the socket's state changes, and any zmq call (a send included)
 may consume that edge. So the reader drains until ``EVENTS`` shows no
@@ -23,9 +36,11 @@ A forged, tampered, malformed or replayed frame is dropped, counted in
 (the next line says how many were suppressed); it is never delivered.
 Nothing a stranger sends is remembered per stranger: the replay guards and
 twin routes grow only for senders whose frames authenticated, and the log
-limiter keeps one entry per reason. Replies resolve the waiting :meth:`request`; requests and
-events go, in arrival order, through a bounded inbox to one dispatcher task
-that runs the routed handler. A full inbox stops the readers, so zmq's
+limiter keeps one entry per reason. (The frame MAC stands beside CURVE: it
+binds sender, recipient and sequence number, which CURVE does not.) Replies
+resolve the waiting :meth:`request`; requests and events go, in arrival
+order, through a bounded inbox to one dispatcher task that runs the routed
+handler. A full inbox stops the readers, so zmq's
 high-water marks push back on senders: nothing is dropped for lack of room.
 
 Redundant paths
@@ -89,7 +104,7 @@ from ..wire import (
     encode_frame,
 )
 from ._paths import K_MAX_PATHS, PathGuard, Verdict, path_identity, split_identity
-from ._secret import load_secret
+from ._secret import curve_keys, load_secret
 from ._tcp import TcpTuning, tune_fd
 
 __all__ = ["ControlNode", "ControlStatistics", "Handler"]
@@ -106,6 +121,15 @@ K_WRITE_RECHECK_S = 0.02
 K_HEARTBEAT_MS = 2000  # zmq-level pings
 # A silent connection dies after 30 s; shorter, and a WAN blip would drop queued frames.
 K_HEARTBEAT_TIMEOUT_MS = 30_000
+# A connection must finish its ZMTP/CURVE handshake (3 round trips) within this;
+# zmq's default of 30 s let strangers hold descriptors ten times as long.
+K_HANDSHAKE_IVL_MS = 3000
+_HANDSHAKE_FAILED = int(
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_MONITOR_BATCH = 64  # monitor events handled between two checkpoints
 # Plain ints: zmq's flag enums cost microseconds per operation on this hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -134,6 +158,7 @@ class ControlStatistics:
     duplicates: int = 0  # copies dropped because another path delivered the frame first
     copies_sent: int = 0  # extra copies sent on twin paths (``sent`` counts each frame once)
     tcp_tuned: int = 0  # connections whose TCP options were set (``tcp=``)
+    rejected_handshakes: int = 0  # connections refused at the CURVE handshake (no secret)
 
 
 class _Pump:
@@ -164,7 +189,7 @@ class _Pump:
         self.wait_scope: trio.CancelScope | None = None
         self.reader_scope = trio.CancelScope()
         self.writers = writers or trio.lowlevel.ParkingLot()
-        self.monitor: zmq.Socket[Any] | None = None  # connection events, with ``tcp=``
+        self.monitor: zmq.Socket[Any] | None = None  # connection and handshake events
         self.monitor_scope = trio.CancelScope()
 
     def close(self) -> None:
@@ -230,6 +255,7 @@ class ControlNode:
         self._tcp_options = tcp.options() if tcp is not None else []
         self._tcp_unsupported: set[str] = set()
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._curve_public, self._curve_secret = curve_keys(self._key)
         self._clock = SeqClock()
         # type -> (handler, is_async)
         self._routes: dict[type[Message], tuple[Handler, bool]] = {Ping: (_on_ping, False)}
@@ -252,11 +278,12 @@ class ControlNode:
     async def __aenter__(self) -> ControlNode:
         sock = self._socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        monitor = self._monitor(sock, zmq.EVENT_ACCEPTED)
-        # No ROUTER_HANDOVER: a connection claiming a name already connected is
-        # ignored, so a stranger cannot take over a peer's route (zmq identities
-        # are not authenticated; frames are). A restarted peer gets its name
-        # back once heartbeats declare the old connection dead.
+        # Only a peer that passed the CURVE handshake (so holds the secret) ever
+        # presents an identity, so a new connection under a taken name is that
+        # node come back: it takes the route over and zmq ends the old one.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        accepted = zmq.EVENT_ACCEPTED if self._tcp_options else 0
+        monitor = self._monitor(sock, accepted | _HANDSHAKE_FAILED)
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
@@ -271,7 +298,7 @@ class ControlNode:
         self._nursery = await self._nursery_cm.__aenter__()
         self._nursery.start_soon(self._reader, self._router)
         if monitor is not None:
-            self._nursery.start_soon(self._tune_connections, self._router)
+            self._nursery.start_soon(self._watch, self._router)
         self._nursery.start_soon(self._dispatcher)
         return self
 
@@ -317,12 +344,20 @@ class ControlNode:
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + 1024)
         sock.setsockopt(zmq.HEARTBEAT_IVL, K_HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, K_HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, K_HANDSHAKE_IVL_MS)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve_secret)
+        else:  # every node holds the one key pair, as server and as client
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve_secret)
         return sock
 
-    # ---------------------------------------------------------- TCP tuning
+    # ------------------------------------------- TCP tuning, handshake failures
     def _monitor(self, sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
-        """A PAIR socket that receives ``sock``'s connection events (None: no tuning)."""
-        if not self._tcp_options:
+        """A PAIR socket that receives ``sock``'s ``events`` (None if there are none)."""
+        if not events:
             return None
         addr = f"inproc://pddnet-monitor-{id(self):x}-{next(_MONITOR_IDS)}"
         sock.monitor(addr, events)
@@ -331,19 +366,44 @@ class ControlNode:
         mon.connect(addr)
         return mon
 
-    async def _tune_connections(self, pump: _Pump) -> None:
-        """Set the TCP options on each connection ``pump``'s monitor reports."""
+    async def _watch(self, pump: _Pump) -> None:
+        """Tune each connection ``pump``'s monitor reports; count failed handshakes.
+
+        The monitor is drained promptly: libzmq's I/O thread blocks on a full
+        monitor socket. A checkpoint every few events keeps a flood of
+        strangers' handshakes from holding the loop.
+        """
         mon = pump.monitor
         assert mon is not None
         fd = typing.cast(int, mon.getsockopt(zmq.FD))
         with pump.monitor_scope, contextlib.suppress(trio.ClosedResourceError):
             while True:
+                handled = 0
                 while typing.cast(int, mon.getsockopt(_EVENTS)) & _POLLIN:
                     parts = mon.recv_multipart(_NOBLOCK)
                     if len(parts) == 2 and len(parts[0]) == 6:
                         event, value = struct.unpack("=Hi", parts[0])
-                        self._tune(value, parts[1], event == zmq.EVENT_ACCEPTED)
+                        if event & _HANDSHAKE_FAILED:
+                            self._handshake_failed(pump, event, value)
+                        else:
+                            self._tune(value, parts[1], event == zmq.EVENT_ACCEPTED)
+                    handled += 1
+                    if handled % _MONITOR_BATCH == 0:
+                        await trio.lowlevel.checkpoint()
                 await trio.lowlevel.wait_readable(fd)
+
+    def _handshake_failed(self, pump: _Pump, event: int, code: int) -> None:
+        self._stats["rejected_handshakes"] += 1
+        where = f"from a peer on {self.address}" if pump.peer is None else f"to {pump.peer!r}"
+        self._log.warning(
+            "handshake",
+            "%s: refused a control connection %s: CURVE handshake failed "
+            "(event %#x, code %#x; not our secret?)",
+            self.name,
+            where,
+            event,
+            code,
+        )
 
     def _tune(self, fd: int, endpoint: bytes, accepted: bool) -> None:
         options = [o for o in self._tcp_options if o[0] not in self._tcp_unsupported]
@@ -388,11 +448,10 @@ class ControlNode:
         zmq connects in the background: an absent peer shows up as a
         :class:`TransferTimeout` on the first :meth:`request`. Connecting again
         to the same address with the same ``paths`` keeps the open connections:
-        the peer would ignore a second connection under our name until it
-        noticed the first one close (no ``ROUTER_HANDOVER``), and drop what we
-        sent on it. A changed ``paths`` opens or closes twins beside the
-        primary connection (a twin reopened at once may go unheard until
-        the peer notices that its old connection closed).
+        a second connection under our name would take the name over and end
+        the first (the peer's ROUTER hands an authenticated name over to its
+        newest connection), dropping what was queued on it. A changed
+        ``paths`` opens or closes twins beside the primary connection.
 
         Args:
             peer: the name we address the peer by.
@@ -435,14 +494,14 @@ class ControlNode:
             # Queue nothing for a peer that is not connected: sends wait (and time
             # out) instead of piling up frames for a peer that may never come.
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            monitor = self._monitor(sock, zmq.EVENT_CONNECTED)
+            monitor = self._monitor(sock, zmq.EVENT_CONNECTED if self._tcp_options else 0)
             sock.connect(address)
             pump = _Pump(sock, peer, guard, path=k, group=group, writers=writers)
             pump.address = address
             pump.monitor = monitor
             self._nursery.start_soon(self._reader, pump)
             if monitor is not None:
-                self._nursery.start_soon(self._tune_connections, pump)
+                self._nursery.start_soon(self._watch, pump)
         self._dealers[peer] = group[0]
 
     async def send(self, peer: str, msg: Message, *, timeout: float = K_DEFAULT_TIMEOUT) -> None:

@@ -1,0 +1,591 @@
+"""Hostile peers against a control port (issue 19, attacks 1, 5, 6, 7): reusable drivers.
+
+The server is a :class:`~pddnet.control.ControlNode` named ``md`` in a child
+process (:class:`ControlServer`; run as ``python -m
+pddnet.bench._hostile_control serve SECRET``), optionally under a low
+``RLIMIT_NOFILE``. It prints its address, then answers commands on stdin,
+one JSON line each: ``stats`` (the longest loop stall since
+the last ``reset``, its counters and the size of every table it holds) and
+``send PEER N`` (N events to PEER over its ROUTER). A task sleeping 5 ms
+records how late it wakes: that is the loop stall.
+
+Each ``attack_*`` coroutine runs one attack against a fresh server, with an
+honest node beside the attacker, and returns an :class:`AttackResult`; the
+tests assert on those and ``pddnet bench hostile`` reports them. Strangers
+are real zmq sockets and TCP connections on loopback: a stranger is a peer
+without the secret (:func:`raw_dealer` with ``key=None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+import zmq
+
+from .._errors import PddnetError
+from .._ratelog import LogLimiter
+from ..control import ControlNode
+from ..control._secret import curve_keys
+from ..wire import Ping
+
+__all__ = [
+    "K_SECRET",
+    "AttackResult",
+    "ControlServer",
+    "attack_descriptor_flood",
+    "attack_restart",
+    "attack_squatter",
+    "attack_stranger_identities",
+    "raw_dealer",
+    "run_attacks",
+]
+
+K_SECRET = b"hostile-control-secret-0123456789"
+K_PROBE_S = 0.005  # the loop-stall probe's sleep
+K_HONEST_TIMEOUT_S = 1.0  # an honest request must be answered within this
+
+
+@dataclass
+class AttackResult:
+    """What one attack did to the server (and what the honest node saw)."""
+
+    attack: str
+    survived: bool  # the server is up and answered the honest node afterwards
+    max_loop_stall_ms: float
+    honest_requests: int = 0
+    honest_failed: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def raw_dealer(
+    ctx: zmq.Context[Any], address: str, identity: bytes, *, key: bytes | None = None
+) -> zmq.Socket[Any]:
+    """A bare DEALER to ``address`` claiming ``identity``.
+
+    With ``key=None`` it is a stranger (zmq's NULL mechanism, no secret);
+    with the shared ``key`` it passes the CURVE handshake as a node would,
+    so a test can send it hand-made frames.
+    """
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, identity)
+    if key is not None:
+        public, secret = curve_keys(key)
+        s.setsockopt(zmq.CURVE_SERVERKEY, public)
+        s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    s.connect(address)
+    return s
+
+
+# -- the server (child process) ---------------------------------------------------
+
+
+def _tables(node: ControlNode) -> dict[str, int]:
+    """The size of every table the node holds (per-peer state among them)."""
+    sizes = {}
+    for name, value in vars(node).items():
+        if isinstance(value, dict | set | list):
+            sizes[name] = len(value)
+        elif isinstance(value, LogLimiter):
+            sizes[f"{name}.last"] = len(value._last)
+            sizes[f"{name}.suppressed"] = len(value.suppressed)
+    router = node._router
+    if router is not None:
+        sizes["router.guard"] = len(router.guard._senders)
+    return sizes
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+async def serve(secret: bytes, name: str = "md") -> None:
+    """The child: a ControlNode plus the stall probe and the stdin commands."""
+    stall = [0.0]
+
+    async def probe() -> None:
+        while True:
+            t0 = trio.current_time()
+            await trio.sleep(K_PROBE_S)
+            stall[0] = max(stall[0], trio.current_time() - t0 - K_PROBE_S)
+
+    async with ControlNode(name, secret=secret) as node, trio.open_nursery() as nursery:
+        nursery.start_soon(probe)
+        print(json.dumps({"address": node.address}), flush=True)
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        buf = b""
+        while True:
+            chunk = await stdin.receive_some(4096)
+            if not chunk:
+                nursery.cancel_scope.cancel()
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                cmd = line.decode().split()
+                out: dict[str, Any] = {}
+                if cmd == ["stats"]:
+                    out = {  # (RSS and descriptors: the parent reads them, as this
+                        # process may have no descriptor left to open /proc with)
+                        "max_stall_ms": stall[0] * 1e3,
+                        "statistics": asdict(node.statistics()),
+                        "tables": _tables(node),
+                    }
+                elif cmd == ["reset"]:
+                    stall[0] = 0.0
+                elif len(cmd) == 3 and cmd[0] == "send":
+                    sent = 0
+                    for _ in range(int(cmd[2])):
+                        with contextlib.suppress(PddnetError):
+                            await node.send(cmd[1], Ping(b"from-md"), timeout=1.0)
+                            sent += 1
+                    out = {"sent": sent}
+                print(json.dumps(out), flush=True)
+
+
+class ControlServer:
+    """The child process serving ``md``; use as ``async with ControlServer() as srv``.
+
+    Args:
+        secret: the shared secret.
+        nofile: the child's ``RLIMIT_NOFILE`` (None: inherited).
+    """
+
+    def __init__(self, secret: bytes = K_SECRET, *, nofile: int | None = None) -> None:
+        self.secret = secret
+        self.nofile = nofile
+        self.address = ""
+        self.proc: subprocess.Popen[str] | None = None
+        # a file, not a pipe (a full pipe would block the child); closed in __aexit__
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.stderr = ""  # what the child logged, once it has exited
+
+    async def __aenter__(self) -> ControlServer:
+        def limit() -> None:
+            if self.nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pddnet.bench._hostile_control", "serve", self.secret.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            preexec_fn=limit,
+        )
+        with trio.fail_after(30):
+            self.address = json.loads(await self._readline())["address"]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+        self._stderr.seek(0)
+        self.stderr = self._stderr.read()
+        self._stderr.close()
+
+    async def _readline(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = await trio.to_thread.run_sync(self.proc.stdout.readline)
+        if not line:
+            raise PddnetError(f"the server exited (rc {self.proc.poll()})")
+        return line
+
+    async def command(self, cmd: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Send one command line; its JSON answer."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        with trio.fail_after(timeout):
+            out = dict(json.loads(await self._readline()))
+        if cmd == "stats":
+            out["rss_kib"] = _rss_kib(self.proc.pid)
+            out["fds"] = len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        return out
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class _Honest:
+    """An honest node connected to ``md`` that counts its pings."""
+
+    def __init__(self, node: ControlNode) -> None:
+        self.node = node
+        self.requests = 0
+        self.failed = 0
+
+    async def ping(self) -> bool:
+        """One ping to ``md``; whether it was answered within 1 s."""
+        self.requests += 1
+        try:
+            await self.node.ping("md", timeout=K_HONEST_TIMEOUT_S)
+        except PddnetError:
+            self.failed += 1
+            return False
+        return True
+
+    async def answered_within(self, bound_s: float) -> float | None:
+        """Seconds until a ping is answered (None: not within ``bound_s``)."""
+        t0 = trio.current_time()
+        while trio.current_time() - t0 < bound_s:
+            if await self.ping():
+                return trio.current_time() - t0
+        return None
+
+
+@contextlib.asynccontextmanager
+async def _honest(server: ControlServer, name: str = "p0") -> AsyncIterator[_Honest]:
+    async with ControlNode(name, secret=server.secret) as node:
+        await node.connect("md", server.address)
+        yield _Honest(node)
+
+
+def _refusals(stats: dict[str, Any]) -> int:
+    """How many connections or frames the server refused, at any stage."""
+    return sum(v for k, v in stats["statistics"].items() if k.startswith("rejected_"))
+
+
+# -- attack 5: many stranger identities ------------------------------------------------
+
+
+async def attack_stranger_identities(
+    strangers: int = 1500, batch: int = 100, bound_s: float = 60.0
+) -> AttackResult:
+    """1,500 strangers, each its own zmq identity and TCP connection, each sending garbage.
+
+    A warm-up flood of one batch comes first, so the RSS baseline includes
+    what zmq and the allocator keep after any flood.
+    """
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+
+    async def flood(first: int, n: int) -> None:
+        for start in range(first, first + n, batch):
+            socks = [
+                raw_dealer(ctx, server.address, f"stranger-{i}".encode())
+                for i in range(start, min(start + batch, first + n))
+            ]
+            for s in socks:
+                with contextlib.suppress(zmq.Again):
+                    s.send(os.urandom(64), zmq.NOBLOCK)
+            await trio.sleep(0.05)
+            for s in socks:
+                s.close(0)
+
+    async def settled(fds: int) -> dict[str, Any]:
+        """Stats once the strangers' connections are gone and nothing more is refused."""
+        last = -1
+        with trio.fail_after(bound_s):
+            while True:
+                st = await server.command("stats")
+                if st["fds"] <= fds and _refusals(st) == last:
+                    return st
+                last = _refusals(st)
+                await trio.sleep(0.25)
+
+    async with ControlServer() as server, _honest(server) as honest:
+        before_ok = await honest.ping()
+        fds = (await server.command("stats"))["fds"]
+        await flood(0, batch)
+        base = await settled(fds + 2)
+        await server.command("reset")
+        t0 = trio.current_time()
+        await flood(batch, strangers)
+        elapsed = trio.current_time() - t0
+        end = await settled(fds + 2)
+        after_ok = await honest.ping()
+        alive = server.alive()
+    grown = {
+        k: (base["tables"].get(k, 0), v)
+        for k, v in end["tables"].items()
+        if v > base["tables"].get(k, 0) + 4
+    }
+    lines = server.stderr.splitlines()  # everything the server logged
+    st = end["statistics"]
+    return AttackResult(
+        "5 stranger identities",
+        survived=alive and before_ok and after_ok,
+        max_loop_stall_ms=end["max_stall_ms"],
+        honest_requests=honest.requests,
+        honest_failed=honest.failed,
+        details={
+            "strangers": strangers,
+            "flood_s": elapsed,
+            "refused": _refusals(end) - _refusals(base),
+            "delivered_to_handlers": st["delivered"],
+            "tables_grown": grown,
+            "rss_kib": (base["rss_kib"], end["rss_kib"]),
+            "fds": (base["fds"], end["fds"]),
+            "log_lines": len(lines),
+        },
+    )
+
+
+# -- attack 6: a stranger claims a real node's name -----------------------------------
+
+
+def _drain(sock: zmq.Socket[Any]) -> int:
+    n = 0
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+        n += 1
+
+
+async def attack_squatter(pings: int = 3, frames: int = 5) -> AttackResult:
+    """A stranger connects first under ``p0``'s name; another after ``p0`` is up.
+
+    ``p0`` then pings ``md`` ``pings`` times, and ``md`` sends ``frames``
+    events to ``p0`` over its ROUTER: none may reach a stranger, and p0
+    must get its answers and the events.
+    """
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    async with ControlServer() as server:
+        first = raw_dealer(ctx, server.address, b"p0")
+        with contextlib.suppress(zmq.Again):
+            first.send(b"x" * 40, zmq.NOBLOCK)
+        await trio.sleep(0.3)  # the stranger is there first
+        try:
+            async with _honest(server) as honest:
+                node = honest.node
+                answered = [await honest.ping() for _ in range(pings)]
+                late = raw_dealer(ctx, server.address, b"p0")  # tries to take the route over
+                await trio.sleep(0.3)
+                delivered0 = node.statistics().delivered
+                sent = (await server.command(f"send p0 {frames}"))["sent"]
+                with trio.move_on_after(2):
+                    while node.statistics().delivered - delivered0 < frames:
+                        await trio.sleep(0.02)
+                got = node.statistics().delivered - delivered0
+                answered.append(await honest.ping())
+                await trio.sleep(0.2)
+                stolen = _drain(first) + _drain(late)
+                late.close(0)
+        finally:
+            first.close(0)
+        st = await server.command("stats")
+        alive = server.alive()
+    return AttackResult(
+        "6 name squatter",
+        survived=alive and answered[-1],
+        max_loop_stall_ms=st["max_stall_ms"],
+        honest_requests=honest.requests,
+        honest_failed=honest.failed,
+        details={
+            "pings_answered": sum(answered[:pings]),
+            "pings": pings,
+            "md_sent": sent,
+            "p0_got": got,
+            "frames_to_strangers": stolen,
+            "refused": _refusals(st),
+        },
+    )
+
+
+# -- attack 7: a node restarts at once under its name -----------------------------------
+
+
+async def node_main(address: str, secret: bytes, bound_s: float) -> None:
+    """A restarted ``p0`` (own process): connect, ping until answered, report, then idle."""
+    async with ControlNode("p0", secret=secret) as node:
+        t0 = trio.current_time()
+        await node.connect("md", address)
+        answered: float | None = None
+        while trio.current_time() - t0 < bound_s:
+            try:
+                await node.ping("md", timeout=0.25)
+            except PddnetError:
+                continue
+            answered = trio.current_time() - t0
+            break
+        print(json.dumps({"answered_s": answered}), flush=True)
+        await trio.sleep_forever()
+
+
+async def attack_restart(tries: int = 8, bound_s: float = 12.0) -> AttackResult:
+    """``p0`` (a process) restarts ``tries`` times at once under its name.
+
+    The old instance is killed (``SIGKILL``: the kernel closes its
+    connection) on even tries and frozen (``SIGSTOP``: its connection stays
+    open and silent, as a hung process's does) on odd ones. Each new
+    instance measures how long until ``md`` answers it.
+    """
+    times: list[float | None] = []
+    frozen: list[subprocess.Popen[str]] = []
+    async with ControlServer() as server:
+        old: subprocess.Popen[str] | None = None
+        for k in range(tries + 1):
+            proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "pddnet.bench._hostile_control", "node"),
+                    *(server.address, server.secret.hex(), str(bound_s)),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            if old is not None:  # the previous instance goes as the new one starts
+                if k % 2:
+                    old.kill()
+                    old.wait()
+                else:
+                    old.send_signal(signal.SIGSTOP)
+                    frozen.append(old)
+            assert proc.stdout is not None
+            line = await trio.to_thread.run_sync(proc.stdout.readline)
+            answered = json.loads(line)["answered_s"] if line else None
+            if k:  # the first start is no restart
+                times.append(answered)
+            old = proc
+        st = await server.command("stats")
+        alive = server.alive()
+        for p in [*frozen, old]:
+            if p is not None:
+                p.kill()
+                p.wait()
+                if p.stdout is not None:
+                    p.stdout.close()
+    ok = [t for t in times if t is not None and t <= 1.0]
+    return AttackResult(
+        "7 restart under the same name",
+        survived=alive,
+        max_loop_stall_ms=st["max_stall_ms"],
+        honest_requests=len(times),
+        honest_failed=len(times) - len(ok),
+        details={"answered_s": times, "within_1s": len(ok), "tries": tries},
+    )
+
+
+# -- attack 1 on the control port: more connections than descriptors --------------------
+
+
+def _open_tcp(address: str) -> socket.socket:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.socket()
+    s.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        s.connect((host, int(port)))
+    return s
+
+
+def _closed(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset, or refused
+        return True
+
+
+async def _hold_tcp(address: str, n: int, socks: list[socket.socket]) -> None:
+    """Keep ``n`` silent connections open: one the server closes is opened again at once."""
+    socks.extend(_open_tcp(address) for _ in range(n))
+    while True:
+        await trio.sleep(0.05)
+        for i, s in enumerate(socks):
+            if _closed(s):
+                s.close()
+                socks[i] = _open_tcp(address)
+
+
+async def attack_descriptor_flood(
+    nofile: int = 256, extra: int = 64, dealers: int = 32, hold_s: float = 8.0
+) -> AttackResult:
+    """More connections to the control port than the server has descriptors, held open.
+
+    ``nofile + extra`` raw TCP connections that never speak (each one the
+    server closes is opened again), and ``dealers`` zmq DEALERs without the
+    secret (they reconnect whenever refused). Once the server is out of
+    descriptors, the honest node already connected pings it, and a new one
+    connects while the strangers are still there and must be answered
+    within ``hold_s``. Then the strangers leave and descriptors must return
+    to their baseline.
+    """
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    n = nofile + extra
+    async with ControlServer(nofile=nofile) as server, _honest(server) as honest:
+        assert await honest.ping()
+        base = await server.command("stats")
+        await server.command("reset")
+        raw: list[socket.socket] = []
+        squatters = [raw_dealer(ctx, server.address, b"s%d" % i) for i in range(dealers)]
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_hold_tcp, server.address, n, raw)
+                with trio.move_on_after(5):  # until the server is out of descriptors
+                    while (during := await server.command("stats"))["fds"] < nofile - 2:
+                        await trio.sleep(0.1)
+                kept_up = [await honest.ping() for _ in range(3)]
+                async with _honest(server, "p1") as newcomer:
+                    new_s = await newcomer.answered_within(hold_s)
+                nursery.cancel_scope.cancel()
+        finally:
+            for s in raw:
+                s.close()
+            for d in squatters:
+                d.close(0)
+        with trio.move_on_after(10):
+            while (end := await server.command("stats"))["fds"] > base["fds"] + 4:
+                await trio.sleep(0.2)
+        after_ok = await honest.ping()
+        alive = server.alive()
+    return AttackResult(
+        "1 descriptor flood (control port)",
+        survived=alive and after_ok,
+        max_loop_stall_ms=end["max_stall_ms"],
+        honest_requests=honest.requests,
+        honest_failed=honest.failed,
+        details={
+            "nofile": nofile,
+            "strangers": n + dealers,
+            "fds": (base["fds"], during["fds"], end["fds"]),
+            "connected_pings_answered": sum(kept_up),
+            "new_node_answered_s": new_s,
+            "refused": _refusals(end),
+        },
+    )
+
+
+async def run_attacks(quick: bool = True) -> list[AttackResult]:
+    """Every control-plane attack above, one after the other (``quick``: fewer strangers)."""
+    return [
+        await attack_descriptor_flood(),
+        await attack_stranger_identities(500 if quick else 1500),
+        await attack_squatter(),
+        await attack_restart(4 if quick else 8),
+    ]
+
+
+def _main(argv: list[str]) -> None:
+    if argv[0] == "serve":
+        trio.run(serve, bytes.fromhex(argv[1]))
+    elif argv[0] == "node":
+        trio.run(node_main, argv[1], bytes.fromhex(argv[2]), float(argv[3]))
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} serve SECRET_HEX | node ADDRESS SECRET_HEX BOUND")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
