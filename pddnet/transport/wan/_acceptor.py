@@ -31,7 +31,15 @@ verified. One more is a :class:`~pddnet.RemoteProtocolError` that drops the
 connection but not the transfer (issue 19: a peer re-sending one verified
 1-byte chunk back to back kept a receiver busy for minutes); the allowance
 stays spent, so a peer that reconnects and goes on is dropped at its next
-duplicate.
+duplicate. Chunks of a transfer that failed or was cancelled spend it too.
+
+Chunks are bounded as well: a grant of ``total`` bytes takes at most
+``K_CHUNK_SLACK + ceil(total / K_CHUNK_FLOOR)`` chunks, plus one per layer,
+written (verified or in progress). An honest sender cuts chunks of at least
+its ``min_chunk`` (64 KiB by default) except a ready span's remainder, and
+spans follow layers, so it stays far inside; 1-byte chunks of a large grant
+(a receiver then spends its CPU per byte) pass the budget after a few hundred
+and fail the transfer with a :class:`~pddnet.RemoteProtocolError`.
 
 Resource bounds (:class:`~._limits.WanLimits`): :meth:`GrantTable.add` refuses
 a grant that would take the live grants, or their bytes, past a bound (in
@@ -76,6 +84,8 @@ K_TOMBSTONES = 4096  # recently ended transfer ids whose stragglers are drained,
 K_MAX_CHECKSUM_FAILURES = 3  # per transfer, before it fails
 K_DUP_SLACK = 64  # duplicate chunks a transfer takes before any chunk is verified
 K_DUPS_PER_CHUNK = 2  # and for each chunk verified (a hedged twin, a resend after a lost ACK)
+K_CHUNK_SLACK = 256  # chunks a grant takes whatever its size (remainders, tiny grants)
+K_CHUNK_FLOOR = 4 << 10  # and one per this many bytes (16x below the sender's min_chunk)
 
 
 class Action(enum.Enum):
@@ -151,6 +161,8 @@ class _Grant:
     checksum_failures: int = 0
     permit: WritePermit = field(default_factory=WritePermit)
     duplicates: _Duplicates = field(default_factory=_Duplicates)
+    chunks: int = 0  # verified
+    chunk_budget: int = 0  # most chunks written (verified or in progress), see the module doc
 
 
 class GrantTable:
@@ -173,6 +185,7 @@ class GrantTable:
         self.bytes_dropped = 0
         self.checksum_failures = 0
         self.duplicate_floods = 0  # chunks refused for passing the duplicate allowance
+        self.chunk_floods = 0  # transfers failed for more chunks than their budget
         self._failed: list[Event] = []
 
     def __contains__(self, transfer_id: int) -> bool:
@@ -199,6 +212,7 @@ class GrantTable:
             raise ValueError(f"transfer id {transfer_id} reused")
         self.check_limits(ranges.total, peer, transfer_id)
         g = _Grant(transfer_id, ranges, layer_ends, deadline, peer)
+        g.chunk_budget = K_CHUNK_SLACK + -(-ranges.total // K_CHUNK_FLOOR) + len(layer_ends)
         self._grants[transfer_id] = g
         self.bytes_granted += ranges.total
         if peer is not None:
@@ -246,10 +260,8 @@ class GrantTable:
             if ended is not None and hi <= ended[0]:
                 # a straggler (hedged twin, resend after a lost ACK): of a completed
                 # transfer it is a duplicate, acknowledged; of a failed one, refused
-                if not ended[1]:
-                    return Decision(Action.DRAIN_ENDED)
                 self._duplicate(tid, ended[2])
-                return Decision(Action.DRAIN_ACK)
+                return Decision(Action.DRAIN_ACK if ended[1] else Action.DRAIN_ENDED)
             raise RemoteProtocolError(f"chunk for unknown transfer id {tid}", transfer_id=tid)
         if hi > g.ranges.total:
             raise self._violation(tid, f"chunk [{lo}, {hi}) outside grant [0, {g.ranges.total})")
@@ -265,6 +277,13 @@ class GrantTable:
                     self._duplicate(tid, g.duplicates)
                     return Decision(Action.DRAIN_DUP)
                 raise self._violation(tid, f"chunk [{lo}, {hi}) overlaps one in progress")
+        if g.chunks + len(g.pending) >= g.chunk_budget:
+            self.chunk_floods += 1
+            raise self._violation(
+                tid,
+                f"more than {g.chunk_budget} chunks for a grant of {g.ranges.total} bytes "
+                f"({K_CHUNK_SLACK} + 1 per {K_CHUNK_FLOOR} bytes + 1 per layer)",
+            )
         g.pending[(lo, hi)] = conn
         return Decision(Action.WRITE, tuple(g.ranges.pieces(lo, hi)), g.permit)
 
@@ -312,6 +331,7 @@ class GrantTable:
             return []
         added = g.verified.add(lo, hi)
         self.bytes_verified += added
+        g.chunks += 1
         g.duplicates.left += K_DUPS_PER_CHUNK
         return self._progress(g, lo, hi)
 

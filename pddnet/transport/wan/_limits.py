@@ -20,9 +20,19 @@ What each bound protects (docs/wan.md, "Limits", has the table):
   written straight into granted memory, nothing buffered);
 * ``max_handshakes`` / ``max_handshakes_per_peer``: connections still in TLS
   or authentication (strangers have not proved anything yet: their slots are
-  few and time-bounded, and one address cannot take them all);
+  few and time-bounded, and one address cannot take them all). A full table
+  sheds its *oldest* handshake rather than refusing the newest connection
+  (see :mod:`._receiver`), so strangers that keep every slot cannot lock an
+  honest peer out: it only has to finish before that many newer connections
+  arrive;
+* ``handshake_timeout``: the most one connection may spend in TLS and the
+  challenge-response together (an honest one needs a few round trips);
 * ``body_timeout``: a chunk header followed by a slow or absent payload
-  (slowloris) holds its connection and its byte range at most this long.
+  (slowloris) holds its connection and its byte range at most this long;
+* ``send_timeout``: a frame (an ACK) that finds the connection's bounded send
+  buffer full waits at most this long for the peer to read, then the
+  connection is dropped: a peer that never reads its ACKs cannot park a
+  connection task, or the grant timer's CANCELLED broadcast, on it.
 """
 
 from __future__ import annotations
@@ -57,7 +67,10 @@ class WanLimits:
         max_connections_per_peer: data connections from one IP address.
         max_handshakes: connections still in TLS/authentication at once.
         max_handshakes_per_peer: of those, from one IP address.
+        handshake_timeout: seconds a connection has for TLS and authentication.
         body_timeout: seconds from a chunk header to the end of its payload.
+        send_timeout: seconds a frame to the peer may wait for room in the
+            connection's send buffer before the connection is dropped.
     """
 
     max_transfers: int | None = 1024
@@ -68,7 +81,9 @@ class WanLimits:
     max_connections_per_peer: int | None = 256
     max_handshakes: int | None = 64
     max_handshakes_per_peer: int | None = 32
+    handshake_timeout: float | None = 3.0
     body_timeout: float | None = 30.0
+    send_timeout: float | None = 2.0
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

@@ -16,7 +16,28 @@ grant deadlines (issue 19, attacks 3 and 4: 92 s without a scheduler pass).
 A fresh connection first passes the connection bounds of :class:`WanLimits`
 (else it is closed unread), then, if configured, the TLS handshake
 (:class:`TlsConfig`), then the challenge-response under the shared secret
-(inside TLS when both are on); only then is a chunk header read.
+(inside TLS when both are on), all within ``handshake_timeout``; only then is
+a chunk header read.
+
+Handshake slots: when ``max_handshakes`` (or an address's
+``max_handshakes_per_peer``) is full, the new connection is kept and the
+*oldest* handshake is shed: of the address holding the most handshakes (of
+the new one's address when that one is full), the oldest. Refusing the
+newest instead lets strangers hold every slot by reopening as fast as the
+deadline frees them (64 slots and a 5 s deadline took 13 opens a second:
+issue 19, attack 2, an honest sender locked out for 15 s). Shedding the
+oldest, an honest peer gets a slot at once and keeps it until
+``max_handshakes`` newer connections arrive; it needs a few round trips, so
+strangers must open faster than ``max_handshakes`` per handshake time
+(thousands a second), and, shed by address, still lose their own first.
+
+A frame to the peer (ACK, DUP, CANCELLED) goes into a send buffer bounded to
+``K_SEND_BUFFER``; when it is full the writer waits at most
+``send_timeout`` for the peer to read, then drops the connection. An honest
+sender reads its ACKs all the time into a large receive buffer, so only a
+peer that stops reading meets it; the grant timer's CANCELLED broadcast runs
+in its own task, one send per connection at once, so grant deadlines fire on
+time whatever a peer does.
 
 The accept loop outlives descriptor exhaustion: when ``accept`` fails for
 lack of descriptors or kernel memory (``EMFILE``, ``ENFILE``, ``ENOBUFS``,
@@ -100,6 +121,11 @@ K_ACCEPT_BACKOFF_MAX = 0.25
 # chunk is read whole before the check: max_chunk bounds that.
 K_YIELD_FRAMES = 64
 K_YIELD_BYTES = 4 << 20
+# SO_SNDBUF of a data connection (the kernel doubles it): it carries only 40-byte
+# frames, about 26,000 of them; tune_socket's buffer_bytes (32 MiB, doubled) held
+# 1.6 M ACKs for a peer that never reads them (issue 19, attack 4). At 200 ms RTT
+# it still carries over 100,000 ACKs a second.
+K_SEND_BUFFER = 512 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +144,10 @@ class ReceiverStatistics:
     limit_rejections: int = 0
     accept_stalls: int = 0  # accept() failures for want of descriptors (EMFILE, ENFILE, ...)
     duplicate_floods: int = 0  # connections dropped for more duplicate chunks than allowed
+    chunk_floods: int = 0  # transfers failed for more chunks than their grant allows
+    handshakes_shed: int = 0  # handshakes closed to make room for a newer connection
+    handshake_timeouts: int = 0  # handshakes not finished within handshake_timeout
+    send_timeouts: int = 0  # connections dropped: the peer did not read within send_timeout
 
 
 @dataclass(eq=False)
@@ -129,13 +159,35 @@ class _Waiter:
     layers_done: set[int] = field(default_factory=set)
 
 
+class _SendTimeout(RemoteProtocolError):
+    """The peer left a frame unread in a full send buffer for ``send_timeout`` seconds."""
+
+
+@dataclass(eq=False, slots=True)
+class _Handshake:
+    """A connection still in TLS or authentication (a slot of ``max_handshakes``)."""
+
+    ip: str
+    seq: int  # admission order
+    scope: trio.CancelScope
+    counted: bool = True  # still in the handshake tables (False once ended or shed)
+
+
 class _Conn:
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, send_timeout: float | None) -> None:
         self.sock = sock
         self.lock = trio.StrictFIFOLock()
         self.closed = False
+        self.send_timeout = math.inf if send_timeout is None else send_timeout
 
     async def send_frame(self, frame: LinkFrame) -> None:
+        """Send one frame; waits at most ``send_timeout`` for room.
+
+        Raises:
+            _SendTimeout: the peer did not read in time (a frame may be cut off:
+                the connection is marked closed and must be dropped).
+            OSError: on a socket error.
+        """
         if self.closed:
             return
         data = memoryview(frame.encode())
@@ -151,8 +203,15 @@ class _Conn:
             if n == len(data):
                 return
             data = data[n:]  # the rest goes before any other frame: the lock is free
-        async with self.lock:
-            await send_all(self.sock, [data])
+        with trio.move_on_after(self.send_timeout) as scope:
+            async with self.lock:
+                await send_all(self.sock, [data])
+        if scope.cancelled_caught:
+            self.closed = True
+            raise _SendTimeout(
+                f"peer left its send buffer full for {self.send_timeout:g} s",
+                transfer_id=frame.transfer_id,
+            )
 
 
 class WanReceiver(Receiver):
@@ -205,7 +264,12 @@ class WanReceiver(Receiver):
         self._conn_count = 0  # accepted and not yet closed, handshaking or not
         self._conns_per_ip: dict[str, int] = {}
         self._handshakes = 0
-        self._handshakes_per_ip: dict[str, int] = {}
+        # ip -> its handshakes, oldest first (a dict as an ordered set)
+        self._handshakes_per_ip: dict[str, dict[_Handshake, None]] = {}
+        self._handshake_seq = 0
+        self.handshakes_shed = 0
+        self.handshake_timeouts = 0
+        self.send_timeouts = 0
         self._table = GrantTable(max_chunk, self.limits)
         self._waiters: dict[int, _Waiter] = {}
         self._ended: dict[int, _Waiter] = {}
@@ -357,6 +421,10 @@ class WanReceiver(Receiver):
             limit_rejections=self.limit_rejections,
             accept_stalls=self.accept_stalls,
             duplicate_floods=self._table.duplicate_floods,
+            chunk_floods=self._table.chunk_floods,
+            handshakes_shed=self.handshakes_shed,
+            handshake_timeouts=self.handshake_timeouts,
+            send_timeouts=self.send_timeouts,
         )
 
     def peer_usage(self, peer: str) -> tuple[int, int]:
@@ -398,14 +466,35 @@ class WanReceiver(Receiver):
                 await self._timer_changed.wait()
             events = self._table.handle_timer(trio.current_time())
             self._dispatch(events)
-            for ev in events:
-                frame = LinkFrame(LinkKind.CANCELLED, ev.transfer_id, code=LinkCode.TIMEOUT)
-                await self._broadcast(frame)
+            if events and self._nursery is not None:
+                # never awaited here: a peer that does not read must not hold the timer
+                frames = [
+                    LinkFrame(LinkKind.CANCELLED, ev.transfer_id, code=LinkCode.TIMEOUT)
+                    for ev in events
+                ]
+                self._nursery.start_soon(self._broadcast, *frames)
 
-    async def _broadcast(self, frame: LinkFrame) -> None:
-        for c in list(self._conns):
-            with contextlib.suppress(OSError, trio.ClosedResourceError, trio.BrokenResourceError):
-                await c.send_frame(frame)
+    async def _broadcast(self, *frames: LinkFrame) -> None:
+        """Send ``frames`` on every connection, all connections at once."""
+        async with trio.open_nursery() as nursery:
+            for c in list(self._conns):
+                nursery.start_soon(self._send_or_drop, c, frames)
+
+    async def _send_or_drop(self, conn: _Conn, frames: Sequence[LinkFrame]) -> None:
+        try:
+            for frame in frames:
+                await conn.send_frame(frame)
+        except _SendTimeout as exc:
+            self._send_timed_out(exc)
+            close(conn.sock)  # its connection task wakes with ClosedResourceError
+        except _SOCKET_ERRORS:
+            pass
+
+    def _send_timed_out(self, exc: _SendTimeout) -> None:
+        self.send_timeouts += 1
+        self._log.warning(
+            "send", "dropping a WAN connection (%d so far): %s", self.send_timeouts, exc
+        )
 
     async def _accept(self) -> socket.socket:
         """The next connection; waits out descriptor exhaustion (see the module doc)."""
@@ -443,7 +532,9 @@ class WanReceiver(Receiver):
                         notsent_lowat=None,
                         sender=False,
                     )
-                    self._admit(ip)  # last: nothing below can fail before _serve releases
+                    # only 40-byte frames go this way: see K_SEND_BUFFER
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, K_SEND_BUFFER)
+                    hs = self._admit(ip)  # last: nothing below can fail before _serve releases
                 except OSError:  # reset before we got to it
                     close(sock)
                     continue
@@ -451,24 +542,65 @@ class WanReceiver(Receiver):
                     self._refused(exc)
                     close(sock)
                     continue
-                self._nursery.start_soon(self._serve, sock, ip)
+                self._nursery.start_soon(self._serve, sock, ip, hs)
         finally:
             close(self._listener)
 
-    def _admit(self, ip: str) -> None:
-        """Count a new connection from ``ip``, or raise if it passes a bound."""
+    def _admit(self, ip: str) -> _Handshake | None:
+        """Count a new connection from ``ip``, or raise if it passes a bound.
+
+        Returns its handshake slot (None without TLS or a secret); a full
+        handshake table sheds its oldest entry instead (see the module doc).
+        """
         lim = self._admission
         per_ip = self._conns_per_ip.get(ip, 0)
         check(lim, "max_connections", self._conn_count, 1, peer=ip)
         check(lim, "max_connections_per_peer", per_ip, 1, peer=ip)
+        hs = None
         if self._tls_ctx is not None or self.secret is not None:
-            shaking = self._handshakes_per_ip.get(ip, 0)
-            check(lim, "max_handshakes", self._handshakes, 1, peer=ip)
-            check(lim, "max_handshakes_per_peer", shaking, 1, peer=ip)
+            mine = self._handshakes_per_ip.setdefault(ip, {})
+            per_peer, total = lim.max_handshakes_per_peer, lim.max_handshakes
+            if per_peer is not None and len(mine) >= per_peer:
+                self._shed(next(iter(mine)))
+            elif total is not None and self._handshakes >= total:
+                self._shed(self._oldest_of_busiest())
+            timeout = lim.handshake_timeout
+            deadline = math.inf if timeout is None else trio.current_time() + timeout
+            self._handshake_seq += 1
+            hs = _Handshake(ip, self._handshake_seq, trio.CancelScope(deadline=deadline))
             self._handshakes += 1
-            self._handshakes_per_ip[ip] = shaking + 1
+            self._handshakes_per_ip.setdefault(ip, {})[hs] = None
         self._conn_count += 1
         self._conns_per_ip[ip] = per_ip + 1
+        return hs
+
+    def _oldest_of_busiest(self) -> _Handshake:
+        """The oldest handshake of the address holding the most (ties: the oldest)."""
+        mine = max(
+            (hs for hs in self._handshakes_per_ip.values() if hs),
+            key=lambda hs: (len(hs), -next(iter(hs)).seq),
+        )
+        return next(iter(mine))
+
+    def _shed(self, hs: _Handshake) -> None:
+        self.handshakes_shed += 1
+        self._log.warning(
+            "shed",
+            "WAN receiver handshake slots full: closing the oldest, from %s (%d shed so far)",
+            hs.ip,
+            self.handshakes_shed,
+        )
+        self._end_handshake(hs)
+        hs.scope.cancel()  # its task closes the socket as it unwinds
+
+    def _end_handshake(self, hs: _Handshake) -> None:
+        if hs.counted:
+            hs.counted = False
+            self._handshakes -= 1
+            mine = self._handshakes_per_ip[hs.ip]
+            del mine[hs]
+            if not mine:
+                del self._handshakes_per_ip[hs.ip]
 
     def _release(self, ip: str) -> None:
         self._conn_count -= 1
@@ -485,7 +617,10 @@ class WanReceiver(Receiver):
         )
 
     async def _handshake(self, sock: Any) -> Any:
-        """TLS, then the challenge-response; returns the socket to use or None."""
+        """TLS, then the challenge-response; returns the socket to use or None.
+
+        Closes the socket on failure or cancellation (shed, past its deadline).
+        """
         if self._tls_ctx is not None:
             assert self.tls is not None
             if not await self._looks_like_tls(sock, self.tls.handshake_timeout):
@@ -498,7 +633,7 @@ class WanReceiver(Receiver):
                 self.tls_failures += 1
                 if self.tls_failures == 1:
                     log.warning("dropping a WAN connection that failed TLS: %s", exc)
-                return None  # tls_handshake closed it
+                return None  # tls_handshake closed it (also when cancelled)
         if self.secret is not None:
             try:
                 await authenticate(sock, self.secret, AuthRole.RESPONDER, channel="wan")
@@ -508,6 +643,9 @@ class WanReceiver(Receiver):
                     log.warning("dropping an unauthenticated WAN connection: %s", exc)
                 close(sock)
                 return None
+            except BaseException:
+                close(sock)
+                raise
         return sock
 
     async def _looks_like_tls(self, sock: Any, timeout: float) -> bool:
@@ -542,22 +680,27 @@ class WanReceiver(Receiver):
         close(sock)
         return False
 
-    async def _serve(self, sock: Any, ip: str) -> None:
+    async def _serve(self, sock: Any, ip: str, hs: _Handshake | None) -> None:
         try:
-            if self._tls_ctx is not None or self.secret is not None:
+            if hs is not None:
+                authed = None
                 try:
-                    sock = await self._handshake(sock)
+                    with hs.scope:
+                        authed = await self._handshake(sock)
                 finally:
-                    self._handshakes -= 1
-                    _decrement(self._handshakes_per_ip, ip)
-                if sock is None:
+                    if hs.scope.cancelled_caught and hs.counted:  # not shed: its deadline
+                        self.handshake_timeouts += 1
+                    self._end_handshake(hs)
+                if authed is None:
+                    close(sock)  # if no step above did (a peek cut short, say)
                     return
+                sock = authed
             await self._serve_authenticated(sock)
         finally:
             self._release(ip)
 
     async def _serve_authenticated(self, sock: Any) -> None:
-        conn = _Conn(sock)
+        conn = _Conn(sock, self.limits.send_timeout)
         self._conns.add(conn)
         try:
             await self._serve_conn(conn)
@@ -565,6 +708,8 @@ class WanReceiver(Receiver):
             pass
         except WanLimitExceeded as exc:  # slowloris: a header without its body in time
             self._refused(exc)
+        except _SendTimeout as exc:
+            self._send_timed_out(exc)
         except RemoteProtocolError as exc:
             self._protocol_errors += 1
             self._log.warning(
