@@ -499,3 +499,22 @@ def test_chunk_budget_of_a_grant() -> None:
         assert table.begin(ChunkHeader(2, budget + i, 1, 0), "b").action is Action.DRAIN_ENDED
     with pytest.raises(RemoteProtocolError, match="duplicate"):
         table.begin(ChunkHeader(2, 0, 1, 0), "b")
+
+
+def test_bench_hostile_summary() -> None:
+    """``pddnet bench hostile`` finds the WAN suite; its summary counts what survived."""
+    from pddnet.bench._hostile import summarize
+    from pddnet.bench.hostile import suites
+
+    assert "wan" in suites()
+    ok = AttackResult("a", 12.5, honest_ok=1, checks={"server_up": True})
+    bad = AttackResult("b", 140.0, honest_failed=2, checks={"server_up": True, "x": False})
+    assert (ok.survived, bad.survived, bad.failed_checks()) == (True, False, ["x"])
+    summary = summarize([ok, bad])
+    assert summary == {
+        "attacks": 2,
+        "survived": 1,
+        "max_loop_stall_ms": 140.0,
+        "honest_transfers_failed": 2,
+        "not_survived": ["b"],
+    }

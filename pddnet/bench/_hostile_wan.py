@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import socket
 import sys
@@ -90,7 +91,7 @@ K_DEADLINE_MARGIN_S = 0.25  # a grant's timeout ends it at most this late (plus 
 
 async def _serve(buffer_bytes: int | None) -> None:
     stall = [0.0, 0.0]  # the longest stall since the last "stats": wall clock, CPU
-    grants: dict[int, tuple[bytearray, float | None, trio.Event, dict[str, Any]]] = {}
+    grants: dict[int, tuple[mmap.mmap, float | None, trio.Event, dict[str, Any]]] = {}
     out = trio.wrap_file(sys.stdout)
     lock = trio.Lock()
 
@@ -126,7 +127,9 @@ async def _serve(buffer_bytes: int | None) -> None:
         op, msg = cmd["op"], {"id": cmd["id"]}
         if op == "grant":
             size, timeout = int(cmd["size"]), cmd.get("timeout")
-            buf = await trio.to_thread.run_sync(bytearray, size)  # zeroing it takes a while
+            # anonymous memory: zero pages mapped as written (a bytearray's memset of
+            # 64 MiB held the GIL, and so the loop, for hundreds of ms under load)
+            buf = mmap.mmap(-1, size)
             g = rx.grant([buf], ByteRanges.build([0], [0], [size], [0]), timeout=timeout)
             deadline = None if timeout is None else trio.current_time() + timeout
             grants[g.transfer_id] = (buf, deadline, trio.Event(), {})
@@ -530,8 +533,8 @@ async def tiny_chunks(srv: Server, *, size: int = 1 << 20, duration: float = 2.0
     It reads its ACKs and reconnects when dropped. The grant must fail with a
     ``RemoteProtocolError`` long before its bytes are all sent.
     """
-    base = await srv.stats()
     grant = await srv.grant(size, 60.0)
+    base = await srv.stats()
     flood = _Flood(grant.transfer_id, size, chunk=1, dups=0, read_acks=True)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(flood.run, srv.address, duration)
@@ -593,8 +596,8 @@ async def unread_acks(
     flooding connection must be dropped; the peer reconnects until
     ``duration`` has passed.
     """
-    base = await srv.stats()
     grant = await srv.grant(size, 60.0)
+    base = await srv.stats()
     flood = _Flood(grant.transfer_id, size, chunk=chunk, dups=2, read_acks=False, batch_chunks=32)
     waits: dict[float, dict[str, Any]] = {}
 

@@ -723,7 +723,7 @@ class WanReceiver(Receiver):
             # sender re-sends the chunk. Anything else failed the transfer: say so.
             if exc.transfer_id is not None and exc.transfer_id not in self._table:
                 frame = LinkFrame(LinkKind.FAIL, exc.transfer_id, code=LinkCode.PROTOCOL)
-                with trio.move_on_after(0.5), contextlib.suppress(*_SOCKET_ERRORS):
+                with trio.move_on_after(0.5), contextlib.suppress(*_SOCKET_ERRORS, _SendTimeout):
                     await conn.send_frame(frame)
         finally:
             self._conns.discard(conn)
