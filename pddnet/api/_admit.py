@@ -82,7 +82,7 @@ class Admission:
         req = RequestRecord(
             msg.request_id,
             prompt,
-            msg.first_token,
+            msg.offered_first_token(),
             msg.max_tokens,
             peer,
             msg.relay,

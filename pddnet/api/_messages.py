@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from .._errors import RemoteProtocolError
+from ..handoff._messages import K_MAX_TOKEN_ID
 from ..wire import Message, message
 
 __all__ = [
     "Abort",
     "CutOffWan",
     "Emitted",
+    "K_FIRST_TOKEN_FOLLOWS",
     "KvAccept",
     "KvOffer",
     "LeaseRenew",
@@ -23,12 +26,18 @@ __all__ = [
 ]
 
 
+#: ``KvOffer.first_token`` when P's first token follows in a ``FirstToken``.
+K_FIRST_TOKEN_FOLLOWS = -1
+
+
 @message(64)
 class KvOffer(Message):
     """P to a decode node: take this request's prompt KV.
 
     ``prompt`` is the prompt's token ids (varints); ``first_token`` is the
-    token P's prefill produced (position 0 of the user's stream). ``relay``
+    token P's prefill produced (position 0 of the user's stream), or
+    :data:`K_FIRST_TOKEN_FOLLOWS` (-1) when P ships the KV before sampling and
+    sends it later in a :class:`~pddnet.handoff.FirstToken`. ``relay``
     and ``main`` name the request's RLD and MD ("" when the route has none),
     and ``sink`` the node that receives the user's token stream.
     ``deadline_s`` (seconds from now, 0 = none) caps every wait the decoder
@@ -43,6 +52,20 @@ class KvOffer(Message):
     main: str
     sink: str
     deadline_s: float = 0.0
+
+    def offered_first_token(self) -> int | None:
+        """``first_token``, or None when a :class:`~pddnet.handoff.FirstToken` follows.
+
+        Raises:
+            RemoteProtocolError: for any other value outside uint32.
+        """
+        if self.first_token == K_FIRST_TOKEN_FOLLOWS:
+            return None
+        if not 0 <= self.first_token <= K_MAX_TOKEN_ID:
+            raise RemoteProtocolError(
+                f"bad first_token {self.first_token}", request_id=self.request_id
+            )
+        return self.first_token
 
 
 @message(65)

@@ -6,6 +6,14 @@ block to RLD over the local path and, concurrently, only the blocks MD lacks
 over the WAN. The source blocks stay leased until every transfer of the
 request finished, or until the receivers stop renewing the lease; then the
 engine is told it may reuse them (:class:`BlocksReleased`).
+
+Layer by layer: ``submit(..., first_token=None, ready=False)`` right when the
+engine schedules the prompt's last prefill chunk sends the offers and starts
+the transfers before the forward pass; :meth:`PrefillEndpoint.mark_layer_ready`
+sends each layer as the forward finishes it (a layer marked before a
+decoder accepted is sent as soon as it does), and
+:meth:`PrefillEndpoint.set_first_token`, once the engine sampled, sends the
+first token to every decoder in a :class:`~pddnet.handoff.FirstToken`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import trio
 from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, ResourceLimitError
 from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot
 from ..control import ControlNode, TcpTuning
+from ..handoff import FirstToken
+from ..handoff._messages import K_MAX_TOKEN_ID
 from ..kv import KVPool, block_ranges
 from ..route import Route, RouteDecision, RoutePolicy, Router, RouteReason, RouteRequest
 from ..transport import Grant, Sender, Transfer
@@ -32,6 +42,7 @@ from ._decode import K_CONTROL_TCP, stats_payload
 from ._info import EndpointInfo
 from ._lease import LeaseTable
 from ._messages import (
+    K_FIRST_TOKEN_FOLLOWS,
     Abort,
     CutOffWan,
     Emitted,
@@ -100,7 +111,17 @@ class _Out:
 @dataclass
 class _Req:
     rid: int
+    first_token: int | None
+    follows: bool  # submitted without its first token (set_first_token sends it)
     outs: dict[str, _Out] = field(default_factory=dict)
+    layers: set[int] = field(default_factory=set)  # marked ready (for transfers not yet started)
+    told: set[str] = field(default_factory=set)  # decoders sent the FirstToken
+    released: bool = False  # its blocks went back (kept while it awaits its token)
+    aborted: bool = False
+
+    @property
+    def awaits_token(self) -> bool:
+        return self.follows and self.first_token is None and not self.aborted
 
 
 class PrefillEndpoint:
@@ -278,7 +299,7 @@ class PrefillEndpoint:
         request_id: int,
         prompt: Sequence[int],
         block_ids: Sequence[int],
-        first_token: int,
+        first_token: int | None,
         max_tokens: int,
         *,
         sink: str,
@@ -294,7 +315,10 @@ class PrefillEndpoint:
             request_id: unique id of the request.
             prompt: its token ids.
             block_ids: the pool blocks holding the prompt's KV, in order.
-            first_token: the token prefill produced (position 0 of the stream).
+            first_token: the token prefill produced (position 0 of the stream);
+                None if the engine has not sampled yet: the offers and
+                transfers start now, the decoders wait for
+                :meth:`set_first_token` before they decode.
             max_tokens: output limit, ``first_token`` included.
             sink: node that receives the user's token stream.
             route: force a route; None lets the router decide.
@@ -308,7 +332,8 @@ class PrefillEndpoint:
             as :class:`BlocksReleased` from :meth:`next_event`.
 
         Raises:
-            LocalProtocolError: for a duplicate id or too few blocks.
+            LocalProtocolError: for a duplicate id, too few blocks or a
+                ``first_token`` that is not a uint32 token id.
             ResourceLimitError: ``max_requests`` requests are in flight.
             RemoteCallError: if a decoder refused the request (no free blocks, ...).
             TransferTimeout: if a decoder did not answer.
@@ -322,6 +347,8 @@ class PrefillEndpoint:
                 f"{len(self._reqs)} requests in flight (max_requests={self.max_requests})",
                 request_id=request_id,
             )
+        if first_token is not None and not 0 <= first_token <= K_MAX_TOKEN_ID:
+            raise LocalProtocolError(f"bad first_token {first_token}", request_id=request_id)
         prompt_arr = np.asarray(prompt, dtype=np.int64)
         nblocks = self.pool.layout.blocks_for_tokens(prompt_arr.size)
         if len(block_ids) < nblocks:
@@ -339,7 +366,7 @@ class PrefillEndpoint:
             decision = RouteDecision(request_id, route, RouteReason.FORCED, 0.0, 0, now)
         # From here on the router may hold an RLD slot for the request: every
         # failure below, even before an offer went out, must give it back.
-        req = _Req(request_id)
+        req = _Req(request_id, first_token, follows=first_token is None)
         accepts: dict[str, KvAccept] = {}
         try:
             if not decision.uses_wan:
@@ -350,7 +377,7 @@ class PrefillEndpoint:
             offer = KvOffer(
                 request_id,
                 encode_tokens(prompt_arr),
-                int(first_token),
+                K_FIRST_TOKEN_FOLLOWS if first_token is None else int(first_token),
                 int(max_tokens),
                 relay_peer,
                 main_peer,
@@ -400,9 +427,13 @@ class PrefillEndpoint:
                     timeout=min(self.timeout, deadline_s or self.timeout),
                     ready=ready,
                 )
+                for layer in sorted(req.layers):  # marked while the offer was out
+                    transfer.mark_layer_ready(layer)
                 req.outs[dest] = out = _Out(dest, transfer, src.total, trio.current_time())
                 assert self._nursery is not None
                 self._nursery.start_soon(self._watch, req, out)
+                if req.follows and req.first_token is not None:
+                    await self._tell_first_token(req, dest)  # set while the offer was out
 
             async with trio.open_nursery() as nursery:
                 for dest in dests:
@@ -439,24 +470,79 @@ class PrefillEndpoint:
     def mark_layer_ready(self, request_id: int, layer: int, dest: str | None = None) -> None:
         """Layer ``layer`` of the request's KV is final: send it (``ready=False``).
 
+        May come while :meth:`submit` still waits for the decoders' answers:
+        a transfer that starts later sends the layers marked before it.
+
         Args:
-            dest: only to this decoder (default: to every destination).
+            dest: only to this decoder's transfer, if it started (default: to
+                every destination, now or once it accepted).
+
+        Raises:
+            LocalProtocolError: unknown request, or no such layer.
         """
         req = self._reqs.get(request_id)
         if req is None:
             raise LocalProtocolError("unknown request", request_id=request_id)
+        if not 0 <= layer < self.pool.layout.num_layers:
+            raise LocalProtocolError(f"no layer {layer}", request_id=request_id)
+        if dest is None:
+            req.layers.add(layer)
         for out in req.outs.values():
             if dest is None or out.dest == dest:
                 out.transfer.mark_layer_ready(layer)
+
+    async def set_first_token(self, request_id: int, token: int) -> None:
+        """The engine sampled the first token of a request submitted with
+        ``first_token=None``: send it to each of its decoders (those that
+        have not accepted yet get it right after they do, from :meth:`submit`).
+
+        The :class:`~pddnet.handoff.FirstToken` goes one-way, as the handoff
+        messages do: a decoder that already handed the request over (RLD, when
+        MD's KV landed first and MD decodes from position 0) no longer knows
+        it and drops it with a ``RemoteProtocolError`` of its own.
+
+        Raises:
+            LocalProtocolError: an unknown request, one submitted with its
+                first token or given it already, or not a uint32 token id.
+            TransferTimeout, PeerUnavailable: a decoder could not be sent to.
+
+        Cancellation: the decoders not yet told may never get it; they fail
+        the request after their ``kv_timeout_s``.
+        """
+        req = self._reqs.get(request_id)
+        if req is None or not req.follows or req.first_token is not None:
+            raise LocalProtocolError(
+                "set_first_token needs a request submitted with first_token=None, once",
+                request_id=request_id,
+            )
+        if not 0 <= token <= K_MAX_TOKEN_ID:
+            raise LocalProtocolError(f"bad first token {token}", request_id=request_id)
+        req.first_token = int(token)
+        errors: list[PddnetError] = []
+
+        async def tell(dest: str) -> None:
+            try:
+                await self._tell_first_token(req, dest)
+            except PddnetError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for dest in list(req.outs):
+                nursery.start_soon(tell, dest)
+        self._forget_if_done(req)
+        if errors:
+            raise errors[0]
 
     async def abort(self, request_id: int, reason: str = "aborted by the engine") -> None:
         """Cancel the request's transfers, tell its decoders, free its blocks."""
         req = self._reqs.get(request_id)
         if req is None:
             return
+        req.aborted = True  # no first token will follow
         for out in req.outs.values():
             out.transfer.cancel()
             await self._send_abort(out.dest, request_id, reason)
+        self._forget_if_done(req)
 
     async def next_event(self) -> BlocksReleased:
         """Wait for the next :class:`BlocksReleased`."""
@@ -490,8 +576,20 @@ class PrefillEndpoint:
             self.router.release(req.rid)
         blocks = self.leases.finish(req.rid, out.dest)
         if blocks is not None:
-            self._reqs.pop(req.rid, None)
+            req.released = True
+            self._forget_if_done(req)
             self._events_in.send_nowait(BlocksReleased(req.rid, blocks, error))
+
+    def _forget_if_done(self, req: _Req) -> None:
+        # A request whose KV went out layer by layer may still owe its first token.
+        if req.released and not req.awaits_token:
+            self._reqs.pop(req.rid, None)
+
+    async def _tell_first_token(self, req: _Req, dest: str) -> None:
+        if dest in req.told or req.first_token is None:
+            return
+        req.told.add(dest)  # once per decoder, whichever of submit / set_first_token comes first
+        await self.node.send(dest, FirstToken(req.rid, req.first_token), timeout=10.0)
 
     def _on_stats(self, peer: str, msg: StatsRequest) -> StatsReply:
         return StatsReply(stats_payload(self.statistics(), self.router.decisions()))

@@ -19,7 +19,7 @@ class RequestRecord:
 
     rid: int
     prompt: np.ndarray
-    first_token: int
+    first_token: int | None  # None: P's FirstToken follows
     max_tokens: int
     p: str  # the prefill peer
     relay: str

@@ -16,6 +16,14 @@ wake-up pipe and closes its write end itself once nothing can post any more;
 lands in a reused descriptor. Every ticket gets exactly one completion: its
 result, its error, or a :class:`~pddnet.LocalProtocolError` when the endpoint
 closed before the call finished.
+
+Calls start in the order they were submitted: each call's task waits until
+the previous one has entered its method, which then runs up to its first
+checkpoint before any later call starts (trio switches tasks only there), and
+the calls then run concurrently. So a ``set_first_token`` or
+``mark_layer_ready`` submitted after a ``submit`` of the same request finds
+the request registered, as ``PrefillEndpoint.submit`` does that before its
+first checkpoint.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ class SyncEndpoint:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._stop: trio.Event | None = None
+        self._last_entered: trio.Event | None = None  # set once the latest job entered its method
         self._error: BaseException | None = None
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
@@ -117,7 +126,7 @@ class SyncEndpoint:
 
         Never blocks: the call is queued and the endpoint's loop runs it when
         it next gets control (a hook holding the loop delays the call, not
-        ``submit``).
+        ``submit``). Calls start in submission order (see the module's notes).
 
         Returns:
             A ticket; its :class:`Completion` shows up in :meth:`poll`, with
@@ -236,7 +245,8 @@ class SyncEndpoint:
             return  # shutting down: the final sweep completes them
         while self._pending:
             job = self._pending.popleft()
-            self._nursery.start_soon(self._job, self.endpoint, job)
+            prev, self._last_entered = self._last_entered, trio.Event()
+            self._nursery.start_soon(self._job, self.endpoint, job, prev, self._last_entered)
 
     async def _main(self) -> None:
         self._stop = trio.Event()
@@ -259,9 +269,16 @@ class SyncEndpoint:
         while True:
             self._post(Completion(None, await endpoint.next_event()))
 
-    async def _job(self, endpoint: Any, job: _Job) -> None:
+    async def _job(
+        self, endpoint: Any, job: _Job, prev: trio.Event | None, entered: trio.Event
+    ) -> None:
         ticket, method, args, kwargs = job
         try:
+            try:
+                if prev is not None:
+                    await prev.wait()
+            finally:
+                entered.set()  # the next job may start once this one yields
             if isinstance(method, str):
                 result = await getattr(endpoint, method)(*args, **kwargs)
             else:

@@ -40,6 +40,7 @@ from ._hub import ControlLink, HandoffHub
 from ._machine import HandoffMachine
 from ._main import K_MAX_STASHED_BATCHES, MainHandoff, MainStats
 from ._messages import (
+    FirstToken,
     HandoffAbort,
     HandoffAck,
     KvReady,
@@ -70,6 +71,7 @@ __all__ = [
     "Event",
     "Fallback",
     "FinishReason",
+    "FirstToken",
     "FreeBlocks",
     "HandoffAbort",
     "HandoffAck",

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import trio
 
-from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError
+from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, TransferTimeout
 from ..wire import Message
 from ._engine import DecodeEngine, DecodeRequest
 from ._events import (
@@ -57,7 +57,7 @@ from ._events import (
 )
 from ._machine import HandoffMachine
 from ._main import MainHandoff
-from ._messages import event_for_message
+from ._messages import FirstToken, event_for_message
 from ._params import HandoffParams
 from ._relay import RelayHandoff
 
@@ -80,7 +80,11 @@ class HandoffRequest:
         max_tokens: the user's stream holds at most this many tokens.
         first_token: the token P's prefill produced (position 0), where this
             side knows it (RLD; MD on the P->MD route). MD behind RLD gets it
-            in RLD's first batch.
+            in RLD's first batch. None on RLD or P->MD's MD means it follows
+            in a :class:`~pddnet.handoff.FirstToken` (P shipped the KV before
+            sampling): the driver decodes from position 0 once it came, and
+            fails the request with :class:`~pddnet.TransferTimeout` if it does
+            not come within ``kv_timeout_s`` of the driver being ready for it.
     """
 
     request_id: int
@@ -108,6 +112,21 @@ class _EngineEnded(Event):
     """(driver-internal) the engine's run number ``run`` returned."""
 
     run: int
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstTokenCame(Event):
+    """(driver-internal) P's :class:`FirstToken` arrived (``_first_token`` holds it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstTokenLate(Event):
+    """(driver-internal) the wait for P's :class:`FirstToken` ran out."""
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstTokenTwice(Event):
+    """(driver-internal) P sent a first token the request already had."""
 
 
 class Link(Protocol):
@@ -163,14 +182,21 @@ class HandoffDriver:
         self._engine_on = False  # a run is wanted (started and neither stopped nor finished)
         self._run_ended: trio.Event | None = None  # set when the latest run task returned
         self._round_end: int | None = None  # (MD) the recompute round awaiting its first token
+        self._first_token = request.first_token  # P's, once known (from the offer or FirstToken)
+        self._first_token_timer = False  # the wait for P's FirstToken is timed
+        self._first_token_twice = False  # a second one came (the request fails)
 
     # ----------------------------------------------------- inputs, thread-free
     def deliver(self, message: Message) -> None:
         """Hand the driver a message from the peer (never blocks).
 
         A malformed message is logged and dropped: the peer's retransmissions
-        or the machine's deadlines recover.
+        or the machine's deadlines recover. P's :class:`FirstToken` (which the
+        hub checked) is the driver's own; a second one fails the request.
         """
+        if isinstance(message, FirstToken):
+            self._first_token_arrived(message.token)
+            return
         try:
             ev = event_for_message(message)
         except PddnetError as exc:
@@ -274,7 +300,10 @@ class HandoffDriver:
                     request_id=self.request_id,
                 )
             return
-        await self._handle(ev)
+        if isinstance(ev, _FirstTokenCame | _FirstTokenLate | _FirstTokenTwice):
+            await self._on_first_token_event(ev)
+        else:
+            await self._handle(ev)
         self._steer()
 
     async def _absorb(self) -> None:
@@ -294,9 +323,15 @@ class HandoffDriver:
             outs = self.machine.handle(ev, trio.current_time())
         except RemoteProtocolError as exc:
             # The peer broke the protocol: fail this request, keep the process.
-            log.warning("request %s: %s", self.request_id, exc)
-            outs = [FreeBlocks()] if self._holds_unowned_blocks() else []
-            outs.append(Done(self.machine.state, exc))
+            await self._fail(exc)
+            return
+        await self._act(outs)
+
+    async def _fail(self, exc: PddnetError) -> None:
+        """End the request with ``exc``, freeing the blocks this side holds for it."""
+        log.warning("request %s: %s", self.request_id, exc)
+        outs: list[Output] = [FreeBlocks()] if self._holds_unowned_blocks() else []
+        outs.append(Done(self.machine.state, exc))
         await self._act(outs)
 
     def _keep(self, token: int, finish: FinishReason | None) -> None:
@@ -316,19 +351,21 @@ class HandoffDriver:
             self._stop_engine()
         elif self.machine.may_decode:
             if not self._engine_on and self._finish_at is None and not self._kept:
-                if not self._stream:
-                    self._seed_first_token()
+                if not self._stream and not self._seed_first_token():
+                    return  # P's first token follows: _FirstTokenCame steers again
                 if self._finish_at is None:
                     self._start_engine()
         elif self._round_end is None:
             self._stop_engine()
 
-    def _seed_first_token(self) -> None:
-        first = self.request.first_token
+    def _seed_first_token(self) -> bool:
+        """Keep P's first token as position 0; False while it has not come."""
+        first = self._first_token
         if first is None:
-            raise LocalProtocolError(
-                "decoding from position 0 needs P's first token", request_id=self.request_id
-            )
+            if not self._first_token_timer:
+                self._first_token_timer = True
+                self._nursery.start_soon(self._time_first_token)
+            return False
         eos = self.engine.eos_token_id
         finish: FinishReason | None = None
         if eos is not None and first == eos:
@@ -336,6 +373,37 @@ class HandoffDriver:
         elif self.request.max_tokens <= 1:
             finish = FinishReason.MAX_TOKENS
         self._keep(first, finish)
+        return True
+
+    def _first_token_arrived(self, token: int) -> None:
+        if self._first_token is None:
+            self._first_token = token
+            self._send_in.send_nowait(_FirstTokenCame())
+        elif not self._first_token_twice:  # one failure, however many come
+            self._first_token_twice = True
+            self._send_in.send_nowait(_FirstTokenTwice())
+
+    async def _time_first_token(self) -> None:
+        await trio.sleep(self.params.kv_timeout_s)
+        self._send_in.send_nowait(_FirstTokenLate())
+
+    async def _on_first_token_event(
+        self, ev: _FirstTokenCame | _FirstTokenLate | _FirstTokenTwice
+    ) -> None:
+        if isinstance(ev, _FirstTokenTwice):
+            await self._fail(
+                RemoteProtocolError(
+                    "P's first token came twice", peer="prefill", request_id=self.request_id
+                )
+            )
+        elif isinstance(ev, _FirstTokenLate) and self._first_token is None:
+            await self._fail(
+                TransferTimeout(
+                    f"P's first token did not come within {self.params.kv_timeout_s:g} s",
+                    request_id=self.request_id,
+                )
+            )
+        # _FirstTokenCame: the caller steers, which seeds position 0
 
     def _start_engine(self) -> None:
         req = self.request

@@ -1,8 +1,9 @@
 """Carry handoff messages over the control plane (:class:`pddnet.control.ControlNode`).
 
-A :class:`HandoffHub` routes the four handoff message types arriving at a node
-to the driver of their request, and gives each driver a :class:`ControlLink`
-that sends to the peer node. One hub serves every request on the node.
+A :class:`HandoffHub` routes the handoff messages arriving at a node (RLD's
+and MD's four, and P's ``FirstToken``) to the driver of their request, and
+gives each driver a :class:`ControlLink` that sends to the peer node. One hub
+serves every request on the node.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from .._errors import PeerUnavailable, TransferTimeout
 from ..wire import Message
 from ._driver import HandoffDriver
 from ._events import AbortReason
-from ._messages import HandoffAbort, HandoffAck, KvReady, TokenBatch, request_id_of
+from ._messages import (
+    FirstToken,
+    HandoffAbort,
+    HandoffAck,
+    KvReady,
+    TokenBatch,
+    check_first_token,
+    request_id_of,
+)
 
 if TYPE_CHECKING:
     from ..control import ControlNode
@@ -86,7 +95,7 @@ class HandoffHub:
         self._drivers: dict[int, HandoffDriver] = {}
         self._early: dict[int, list[Message]] = {}
         self.unrouted = 0
-        for cls in (TokenBatch, HandoffAck, KvReady, HandoffAbort):
+        for cls in (TokenBatch, HandoffAck, KvReady, HandoffAbort, FirstToken):
             node.route(cls, self._on_message)
 
     def expect(self, request_id: int) -> None:
@@ -161,6 +170,8 @@ class HandoffHub:
     def _on_message(self, peer: str, msg: Message) -> None:
         rid = request_id_of(msg)
         driver = self._drivers.get(rid) if rid is not None else None
+        if isinstance(msg, FirstToken):  # a bad one: the sender's RemoteCallError, if it asked
+            check_first_token(msg, known=driver is not None or rid in self._early, peer=peer)
         if driver is None and rid in self._early and len(self._early[rid]) < K_MAX_EARLY:
             self._early[rid].append(msg)
             return

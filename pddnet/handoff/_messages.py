@@ -15,6 +15,10 @@ id      message         direction and meaning
                         ``owner`` once MD has taken over
 34      KvReady         MD -> RLD: MD holds the prompt KV
 35      HandoffAbort    either way: abandon the handoff, with a reason
+36      FirstToken      P -> RLD and MD: P's first token, for
+                        an offer that said it follows (``KvOffer.first_token``
+                        = -1); the decoder decodes from position 0 only
+                        once it has it
 ======  ==============  ==========================================
 """
 
@@ -34,10 +38,13 @@ from ._events import (
 )
 
 __all__ = [
+    "K_MAX_TOKEN_ID",
+    "FirstToken",
     "HandoffAbort",
     "HandoffAck",
     "KvReady",
     "TokenBatch",
+    "check_first_token",
     "event_for_message",
     "request_id_of",
 ]
@@ -84,7 +91,38 @@ class HandoffAbort(Message):
     reason: int
 
 
-_HANDOFF_MESSAGES = (TokenBatch, HandoffAck, KvReady, HandoffAbort)
+@message(36)
+class FirstToken(Message):
+    """P's first token (position 0 of the user's stream), sent after a
+    ``KvOffer`` whose ``first_token`` was -1: P shipped the prompt's KV
+    (layer by layer) before its engine sampled. At most one per request."""
+
+    request_id: int
+    token: int
+
+
+K_MAX_TOKEN_ID = 0xFFFF_FFFF  # token ids are uint32 (docs/wire.md, "Token ids")
+
+_HANDOFF_MESSAGES = (TokenBatch, HandoffAck, KvReady, HandoffAbort, FirstToken)
+
+
+def check_first_token(msg: FirstToken, *, known: bool, peer: str = "") -> None:
+    """Refuse a :class:`FirstToken` for a request this node does not serve
+    (``known`` False) or with a token that is not a uint32 id.
+
+    Raises:
+        RemoteProtocolError: naming the request.
+    """
+    if not known:
+        raise RemoteProtocolError(
+            "FirstToken for an unknown request", peer=peer, request_id=msg.request_id
+        )
+    if not 0 <= msg.token <= K_MAX_TOKEN_ID:
+        raise RemoteProtocolError(
+            f"FirstToken {msg.token} is not a uint32 token id",
+            peer=peer,
+            request_id=msg.request_id,
+        )
 
 
 def request_id_of(msg: Message) -> int | None:
