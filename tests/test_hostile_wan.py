@@ -1,14 +1,20 @@
 """Hostile peers against a decode endpoint's WAN receiver (issue 19, attacks 1-4).
 
-A child process runs what ``MainEndpoint`` serves (a ControlNode and a
-WanReceiver with the secret and default limits) under a low
+Attack 1: a child process runs what ``MainEndpoint`` serves (a ControlNode
+and a WanReceiver with the secret and default limits) under a low
 ``RLIMIT_NOFILE``. The test opens more connections to its control port than
 it has descriptors (zmq accepts them all, so the process runs out), then more
 to its WAN port (each ``accept`` now fails with ``EMFILE``), then closes them
 all. The child must still be up, answer a ping, and take an honest transfer
-bit-exact. Loopback only; counts and times are bounded.
+bit-exact. Run as a script, this file is that child.
 
-Run as a script, this file is that child.
+Attacks 2-4 (``test_attack*``) run the drivers of
+:mod:`pddnet.bench._hostile_wan` (the ones ``pddnet bench hostile`` runs)
+against a WanReceiver in its own process, and assert each requirement of
+issue 19: the server up, honest transfers bit-exact, its loop's CPU stall
+under 100 ms, descriptors back to baseline, and the attack's own. The rest
+are the rules those rely on, in process or sans-IO. Loopback only; counts
+and times are bounded.
 """
 
 from __future__ import annotations
