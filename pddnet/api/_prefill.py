@@ -28,12 +28,20 @@ import numpy as np
 import trio
 
 from .._errors import LocalProtocolError, PddnetError, RemoteProtocolError, ResourceLimitError
-from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot
+from ..cache import CacheMirror, DrcEvicted, DrcInserted, DrcSnapshot, block_hashes
 from ..control import ControlNode, TcpTuning
 from ..handoff import FirstToken
 from ..handoff._messages import K_MAX_TOKEN_ID
 from ..kv import KVPool, block_ranges
-from ..route import Route, RouteDecision, RoutePolicy, Router, RouteReason, RouteRequest
+from ..route import (
+    MainCandidate,
+    RelayCandidate,
+    Route,
+    RouteDecision,
+    RoutePolicy,
+    Router,
+    RouteRequest,
+)
 from ..transport import Grant, Sender, Transfer
 from ..transport.local import open_local_sender
 from ..transport.wan import WanSender
@@ -106,6 +114,7 @@ class _Out:
     transfer: Transfer
     nbytes: int
     started: float
+    ahead: int = 0  # bytes queued ahead of it at the WAN sender when it started
 
 
 @dataclass
@@ -183,12 +192,10 @@ class PrefillEndpoint:
         self.wan_control_paths = wan_control_paths
         self.leases = LeaseTable(lease_s)
         self.sink = TokenSink(self.node, route=False)
-        self.mirror = CacheMirror(
-            pool.layout.block_size, bytes_per_token=pool.layout.kv_bytes_per_token
-        )
+        self.mirrors: dict[str, CacheMirror] = {}  # MD name -> mirror of its cache
         self._wan_options = wan_options or {}
         self._local_options = local_options or {}
-        self._resyncing = False
+        self._resyncing: set[str] = set()  # MDs asked for a snapshot
         self._senders: dict[str, Sender] = {}
         self._sender_scopes: dict[str, trio.CancelScope] = {}
         self._roles: dict[str, str] = {}
@@ -278,21 +285,38 @@ class PrefillEndpoint:
         self._sender_scopes[info.name] = scope
         self._roles[info.name] = info.role
         if info.role == "main":
-            await self.node.request(info.name, self.mirror.snapshot_request(), timeout=10.0)
+            mirror = self.mirrors[info.name] = CacheMirror(
+                self.pool.layout.block_size, bytes_per_token=self.pool.layout.kv_bytes_per_token
+            )
+            await self.node.request(info.name, mirror.snapshot_request(), timeout=10.0)
 
     def statistics(self) -> PrefillStatistics:
         return PrefillStatistics(**{**self._stats, "held_blocks": self.leases.held_blocks()})
 
     # ------------------------------------------------------------- requests
-    def _peer(self, role: str, name: str | None) -> str:
+    def _peers(self, role: str, name: str | None) -> tuple[str, ...]:
+        """The connected peers of ``role`` the router may choose from: the one
+        named, or all (none connected: empty)."""
         if name is not None:
             if self._roles.get(name) != role:
                 raise LocalProtocolError(f"{name!r} is not a connected {role} endpoint")
-            return name
-        for peer, r in self._roles.items():
-            if r == role:
-                return peer
-        raise LocalProtocolError(f"no {role} endpoint connected")
+            return (name,)
+        return tuple(peer for peer, r in self._roles.items() if r == role)
+
+    def _candidates(self, prompt: Any, nblocks: int, main: str | None) -> tuple[MainCandidate, ...]:
+        """Each MD's delta (from the mirror of its cache: KV still in flight
+        to it is not there yet) and the bytes queued ahead of it at its sender."""
+        mains = self._peers("main", main)
+        if not mains:
+            raise LocalProtocolError("no main endpoint connected")
+        keys = block_hashes(prompt, self.pool.layout.block_size)
+        out = []
+        for md in mains:
+            delta = (nblocks - self.mirrors[md].predict(keys)) * self.pool.layout.block_bytes
+            sender = self._senders[md]
+            ahead = sender.bytes_ahead(delta) if isinstance(sender, WanSender) else 0
+            out.append(MainCandidate(md, delta, ahead))
+        return tuple(out)
 
     async def submit(
         self,
@@ -322,7 +346,8 @@ class PrefillEndpoint:
             max_tokens: output limit, ``first_token`` included.
             sink: node that receives the user's token stream.
             route: force a route; None lets the router decide.
-            relay, main: pick peers by name (default: the first connected).
+            relay, main: pick peers by name (default: the router chooses among
+                the connected ones: docs/cluster.md, "Routing across instances").
             ready: False to stream layer by layer (:meth:`mark_layer_ready`).
             deadline_s: the request's deadline in seconds: the decoders give up
                 waiting for its KV or batches after it, with a typed error.
@@ -356,14 +381,13 @@ class PrefillEndpoint:
                 f"{len(block_ids)} blocks cannot hold a {prompt_arr.size}-token prompt",
                 request_id=request_id,
             )
-        main_peer = self._peer("main", main)
-        plan, _ = self.mirror.plan(str(request_id), prompt_arr)
-        delta = (nblocks - plan.predicted_blocks) * self.pool.layout.block_bytes
+        mains = self._candidates(prompt_arr, nblocks, main)
+        relays = tuple(RelayCandidate(r) for r in self._peers("relay", relay))
         now = trio.current_time()
-        if route is None:
-            decision = self.router.decide(RouteRequest(request_id, delta, max_tokens), now)
-        else:
-            decision = RouteDecision(request_id, route, RouteReason.FORCED, 0.0, 0, now)
+        decision = self.router.decide(
+            RouteRequest(request_id, 0, max_tokens, mains=mains, relays=relays, route=route), now
+        )
+        main_peer = decision.main
         # From here on the router may hold an RLD slot for the request: every
         # failure below, even before an offer went out, must give it back.
         req = _Req(request_id, first_token, follows=first_token is None)
@@ -373,7 +397,7 @@ class PrefillEndpoint:
                 raise LocalProtocolError(
                     "the P->RLD-only route is not served by this endpoint", request_id=request_id
                 )
-            relay_peer = self._peer("relay", relay) if decision.uses_rld else ""
+            relay_peer = decision.relay
             offer = KvOffer(
                 request_id,
                 encode_tokens(prompt_arr),
@@ -429,7 +453,8 @@ class PrefillEndpoint:
                 )
                 for layer in sorted(req.layers):  # marked while the offer was out
                     transfer.mark_layer_ready(layer)
-                req.outs[dest] = out = _Out(dest, transfer, src.total, trio.current_time())
+                ahead = decision.bytes_ahead if dest == main_peer else 0
+                req.outs[dest] = out = _Out(dest, transfer, src.total, trio.current_time(), ahead)
                 assert self._nursery is not None
                 self._nursery.start_soon(self._watch, req, out)
                 if req.follows and req.first_token is not None:
@@ -564,10 +589,13 @@ class PrefillEndpoint:
             await out.transfer.wait()
             if self._roles.get(out.dest) == "main" and out.nbytes >= K_BANDWIDTH_SAMPLE_BYTES:
                 # Small transfers measure the RTT, not the bandwidth: only
-                # large ones update the router's estimate.
-                elapsed = trio.current_time() - out.started - self.router.link.rtt_s
+                # large ones update the router's estimate of that MD's link,
+                # which drained the bytes queued ahead of the transfer too.
+                link = self.router.link_for(out.dest)
+                elapsed = trio.current_time() - out.started - link.rtt_s
                 if elapsed > 0:
-                    self.router.update_link(bandwidth_bytes_s=out.nbytes / elapsed, weight=0.2)
+                    sample = (out.nbytes + out.ahead) / elapsed
+                    self.router.update_link(bandwidth_bytes_s=sample, weight=0.2, main=out.dest)
         except PddnetError as exc:
             error = exc
             self._stats["transfers_failed"] += 1
@@ -615,19 +643,22 @@ class PrefillEndpoint:
                     out.transfer.cancel()
 
     def _on_drc(self, peer: str, msg: Any) -> None:
-        self.mirror.apply(msg)
-        if self.mirror.needs_snapshot and not self._resyncing and self._nursery is not None:
+        mirror = self.mirrors.get(peer)
+        if mirror is None:
+            return  # not a connected MD
+        mirror.apply(msg)
+        if mirror.needs_snapshot and peer not in self._resyncing and self._nursery is not None:
             # the mirror saw a gap or an MD restart: ask for the whole key set again
-            self._resyncing = True
-            self._nursery.start_soon(self._resync, peer)
+            self._resyncing.add(peer)
+            self._nursery.start_soon(self._resync, peer, mirror)
 
-    async def _resync(self, peer: str) -> None:
+    async def _resync(self, peer: str, mirror: CacheMirror) -> None:
         try:
-            await self.node.request(peer, self.mirror.snapshot_request(), timeout=10.0)
+            await self.node.request(peer, mirror.snapshot_request(), timeout=10.0)
         except PddnetError as exc:
             log.info("%s: cache snapshot from %s failed: %s", self.name, peer, exc)
         finally:
-            self._resyncing = False
+            self._resyncing.discard(peer)
 
     async def _send_abort(self, dest: str, request_id: int, reason: str) -> None:
         try:

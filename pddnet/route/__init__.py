@@ -1,8 +1,12 @@
-"""Route choice (P->MD or P->RLD->MD), the strange-traffic cut-off and RLD
-admission control, sans-IO. See docs/handoff.md, "Routing"."""
+"""Route choice (which MD, P->MD or P->RLD->MD, which RLD), the
+strange-traffic cut-off and RLD admission control, sans-IO. See
+docs/handoff.md, "Routing", and docs/cluster.md, "Routing across instances"."""
 
 from ._router import (
+    Candidate,
     LinkEstimate,
+    MainCandidate,
+    RelayCandidate,
     Route,
     RouteDecision,
     RoutePolicy,
@@ -10,10 +14,14 @@ from ._router import (
     RouteReason,
     RouteRequest,
     RouterStats,
+    Verdict,
 )
 
 __all__ = [
+    "Candidate",
     "LinkEstimate",
+    "MainCandidate",
+    "RelayCandidate",
     "Route",
     "RouteDecision",
     "RoutePolicy",
@@ -21,4 +29,5 @@ __all__ = [
     "RouteRequest",
     "Router",
     "RouterStats",
+    "Verdict",
 ]

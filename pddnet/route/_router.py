@@ -1,4 +1,4 @@
-"""Route choice and RLD admission control, sans-IO.
+"""Route choice across instances and RLD admission control, sans-IO.
 
 For each request the router picks one of the pipelines the architecture
 allows, from what it costs to ship the request's KV delta to MD:
@@ -10,11 +10,38 @@ allows, from what it costs to ship the request's KV delta to MD:
 * ``P->RLD`` (no WAN transfer at all) only with the strange-traffic policy
   option, when ``max_tokens`` ends before the KV could land anyway.
 
-RLD admission control keeps the relay tier inside its limits (concurrent
-relays, reserved eager tokens): an overloaded RLD sheds to ``P->MD``, which
-costs TTFT but never collapses the relay (the oscillation the PDD source
-warns about). Every decision carries its reason and the numbers behind it,
-and is counted in :meth:`Router.statistics`.
+Across instances (theory of operation)
+--------------------------------------
+The caller describes every instance the request may use as plain data
+(:class:`MainCandidate`, :class:`RelayCandidate`): nothing here reads a
+socket, a directory or a clock, so a driver, a cluster test and the
+simulator run the same decisions from the same inputs.
+
+1. **Which MD.** Each MD's delta lands at
+   ``rtt + (bytes_ahead + delta_bytes) / bandwidth`` with that MD's own link
+   estimate (:meth:`Router.link_for`): ``delta_bytes`` is what that MD lacks
+   (prefix affinity: the MD whose cache holds most of the prompt has the
+   smallest delta; blocks still in flight to it are not in its cache yet, so
+   they count in the delta) and ``bytes_ahead`` is what P's WAN sender to it
+   sends first (the WAN queue, with the scheduler's priorities). The MD whose
+   delta lands first wins; MDs within ``tie_s`` of it count as equal and the
+   least loaded of those wins (then the one holding more of the prompt, then
+   the name). An MD at its capacity is passed over unless all are.
+2. **Which pipeline**, from the winner's estimate, as for one MD: P->MD when
+   ``transfer_s + md_first_token_s`` fits the TTFT target, else a relay route.
+3. **Which RLD.** Admission control keeps each RLD inside its limits
+   (concurrent relays, counting those its candidate entry says other P
+   instances hold, and eager tokens reserved by this router). Among the RLDs
+   that admit the request the least loaded wins (then fewer eager tokens,
+   then the name). When none admits, or none is connected, the request is
+   shed to ``P->MD``: it costs TTFT but never collapses the relay tier (the
+   oscillation the PDD source warns about).
+
+Every decision records each candidate with the numbers the router saw and a
+:class:`Verdict` (why it won or lost), and is counted in
+:meth:`Router.statistics`. Without candidates (``mains``/``relays`` None)
+the router sees one unnamed MD with ``RouteRequest.delta_bytes`` and one
+unnamed RLD, as for a single-instance deployment.
 """
 
 from __future__ import annotations
@@ -23,12 +50,15 @@ import enum
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._errors import LocalProtocolError
 
 __all__ = [
+    "Candidate",
     "LinkEstimate",
+    "MainCandidate",
+    "RelayCandidate",
     "Route",
     "RouteDecision",
     "RoutePolicy",
@@ -36,6 +66,7 @@ __all__ = [
     "RouteRequest",
     "Router",
     "RouterStats",
+    "Verdict",
 ]
 
 
@@ -55,7 +86,20 @@ class RouteReason(enum.Enum):
     SHORT_OUTPUT = "max_tokens ends before the KV could land: skip the WAN transfer"
     RELAY_FULL = "RLD is at its concurrent-relay limit: shed to P->MD"
     EAGER_BUDGET = "RLD's eager-token budget is spent: shed to P->MD"
+    NO_RELAY = "no RLD is connected: shed to P->MD"
     FORCED = "the caller chose the route"
+
+
+class Verdict(enum.Enum):
+    """What the router concluded about one candidate instance."""
+
+    CHOSEN = "chosen"
+    LANDS_LATER = "MD: its delta lands later than the winner's (by more than tie_s)"
+    MORE_LOADED = "within tie_s of the winner, but more loaded (or later in the order)"
+    AT_CAPACITY = "MD: at its capacity while another is not"
+    RELAY_LIMIT = "RLD: at its concurrent-relay limit"
+    EAGER_LIMIT = "RLD: the reservation would exceed its eager-token budget"
+    NOT_NEEDED = "RLD: the route does not use a relay"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +107,17 @@ class LinkEstimate:
     """The WAN path as the router sees it (from the WAN transport's statistics).
 
     Args:
-        bandwidth_bytes_s: goodput available to one transfer, bytes/s.
+        bandwidth_bytes_s: goodput of the path to one MD, bytes/s.
         rtt_s: round-trip time, seconds.
     """
 
     bandwidth_bytes_s: float
     rtt_s: float
 
-    def transfer_s(self, nbytes: int) -> float:
-        """Estimated time to land ``nbytes`` on MD: one RTT plus serialisation."""
-        return self.rtt_s + nbytes / self.bandwidth_bytes_s
+    def transfer_s(self, nbytes: int, ahead: int = 0) -> float:
+        """Estimated time to land ``nbytes`` on MD behind ``ahead`` bytes the
+        sender sends first: one RTT plus serialisation of both."""
+        return self.rtt_s + (ahead + nbytes) / self.bandwidth_bytes_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +131,14 @@ class RoutePolicy:
             transfer time into the eager tokens RLD will generate.
         catchup_slack: tokens reserved per relay beyond the transfer time
             (the catch-up rounds); about the catch-up threshold.
-        max_concurrent_relays: relays RLD may run at once.
-        max_eager_tokens: eager tokens reserved across all relays.
+        max_concurrent_relays: relays one RLD may run at once.
+        max_eager_tokens: eager tokens reserved across one RLD's relays.
         skip_wan_short_output: enable the strange-traffic cut-off at routing time.
         skip_factor: skip the WAN when ``max_tokens / rld_decode_rate`` is at
             most this fraction of the estimated transfer time.
         history: how many recent decisions :meth:`Router.decisions` keeps.
+        tie_s: MDs whose deltas land within this many seconds of the first
+            count as equal, and load decides between them.
     """
 
     ttft_target_s: float = 2.0
@@ -103,12 +150,52 @@ class RoutePolicy:
     skip_wan_short_output: bool = False
     skip_factor: float = 1.0
     history: int = 256
+    tie_s: float = 0.001
 
     def __post_init__(self) -> None:
         if self.rld_decode_rate <= 0 or self.ttft_target_s <= 0:
             raise ValueError("rld_decode_rate and ttft_target_s must be > 0")
         if self.max_concurrent_relays < 0 or self.max_eager_tokens < 0:
             raise ValueError("admission limits must be >= 0")
+        if self.tie_s < 0:
+            raise ValueError("tie_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class MainCandidate:
+    """One MD the request may go to, as P sees it now.
+
+    Args:
+        name: the MD endpoint's name.
+        delta_bytes: KV bytes of the prompt this MD lacks: the prompt's bytes
+            less the leading blocks P's mirror of its cache holds
+            (:meth:`~pddnet.cache.CacheMirror.predict`). Blocks still in
+            flight to it are not in its cache yet and count here.
+        bytes_ahead: bytes P's WAN sender to this MD sends before a new
+            transfer of ``delta_bytes`` (:meth:`~pddnet.transport.wan.WanSender.bytes_ahead`).
+        active: requests in progress on it (its load), as far as P knows.
+        capacity: requests it takes at once; 0 for no known limit.
+    """
+
+    name: str
+    delta_bytes: int
+    bytes_ahead: int = 0
+    active: int = 0
+    capacity: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RelayCandidate:
+    """One RLD the request may relay on.
+
+    Args:
+        name: the RLD endpoint's name.
+        active: relays it runs for other prefill instances (from the
+            directory's load); this router's own reservations are added.
+    """
+
+    name: str
+    active: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +204,51 @@ class RouteRequest:
 
     Args:
         request_id: the request.
-        delta_bytes: KV bytes MD lacks (after its prefix cache), to ship over the WAN.
+        delta_bytes: KV bytes MD lacks (after its prefix cache), to ship over
+            the WAN, when ``mains`` is None (one unnamed MD); with candidates,
+            each carries its own and this is not read.
         max_tokens: the request's output limit.
         ttft_target_s: this request's TTFT target, or None for the policy's.
+        mains: the MDs it may go to (at least one), or None for one unnamed MD.
+        relays: the RLDs it may relay on (may be empty: then no relay route),
+            or None for one unnamed RLD.
+        route: force this pipeline (reason ``FORCED``): the router still
+            picks the MD and, for a relay route, the least loaded RLD, but
+            admits nothing (no slot is held; :meth:`Router.release` is a no-op).
     """
 
     request_id: int
     delta_bytes: int
     max_tokens: int
     ttft_target_s: float | None = None
+    mains: tuple[MainCandidate, ...] | None = None
+    relays: tuple[RelayCandidate, ...] | None = None
+    route: Route | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One instance the router weighed for a request, and its verdict.
+
+    Attributes:
+        name: the instance.
+        role: ``"main"`` or ``"relay"``.
+        verdict: why it won or lost.
+        transfer_s: MD: the estimated time for its delta to land (queue
+            included); RLD: 0.
+        delta_bytes: MD: the bytes it lacks; RLD: 0.
+        bytes_ahead: MD: the bytes queued ahead at P's sender to it; RLD: 0.
+        active: its load when the router looked (RLD: other instances'
+            relays plus this router's).
+    """
+
+    name: str
+    role: str
+    verdict: Verdict
+    transfer_s: float = 0.0
+    delta_bytes: int = 0
+    bytes_ahead: int = 0
+    active: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +258,15 @@ class RouteDecision:
     Attributes:
         route: the chosen pipeline.
         reason: why.
-        transfer_s: the estimated WAN transfer time of the delta.
+        transfer_s: the estimated WAN transfer time of the delta to the chosen
+            MD, the bytes queued ahead of it included.
         eager_tokens: eager tokens reserved on RLD (0 on P->MD).
         at: when it was decided.
+        main: the chosen MD ("" for the unnamed one, or a forced route).
+        relay: the chosen RLD ("" on P->MD, or for the unnamed one).
+        delta_bytes: the bytes the chosen MD lacks.
+        bytes_ahead: the bytes queued ahead of them at P's sender.
+        candidates: every instance weighed, MDs first, with its verdict.
     """
 
     request_id: int
@@ -146,6 +275,11 @@ class RouteDecision:
     transfer_s: float
     eager_tokens: int
     at: float
+    main: str = ""
+    relay: str = ""
+    delta_bytes: int = 0
+    bytes_ahead: int = 0
+    candidates: tuple[Candidate, ...] = ()
 
     @property
     def uses_rld(self) -> bool:
@@ -160,7 +294,13 @@ class RouteDecision:
 
 @dataclass(frozen=True, slots=True)
 class RouterStats:
-    """A snapshot of the router's load and decision counts."""
+    """A snapshot of the router's load and decision counts.
+
+    ``active_relays``, ``eager_reserved`` and the peaks are totals over every
+    RLD; ``by_relay`` is each RLD's relays now, ``by_main`` the decisions
+    that went to each MD, ``links`` the per-MD estimates (``link`` is the
+    default for an MD without one).
+    """
 
     active_relays: int
     eager_reserved: int
@@ -169,14 +309,21 @@ class RouterStats:
     by_route: dict[str, int]
     by_reason: dict[str, int]
     link: LinkEstimate
+    by_relay: dict[str, int] = field(default_factory=dict)
+    by_main: dict[str, int] = field(default_factory=dict)
+    links: dict[str, LinkEstimate] = field(default_factory=dict)
+
+
+_ONE_RELAY = (RelayCandidate(""),)
 
 
 class Router:
-    """Sans-IO route choice with RLD admission control.
+    """Sans-IO route choice across MD and RLD instances, with RLD admission control.
 
     Args:
         policy: tuning and limits.
-        link: the initial WAN estimate; refresh it with :meth:`update_link`.
+        link: the initial WAN estimate, and the default for an MD without an
+            estimate of its own; refresh with :meth:`update_link`.
         on_decision: called with every :class:`RouteDecision` (logging, metrics).
     """
 
@@ -189,14 +336,21 @@ class Router:
     ) -> None:
         self.policy = policy or RoutePolicy()
         self.link = link or LinkEstimate(bandwidth_bytes_s=1.25e9, rtt_s=0.03)
+        self.links: dict[str, LinkEstimate] = {}
         self._on_decision = on_decision
-        self._active: dict[int, int] = {}  # request id -> reserved eager tokens
+        self._active: dict[int, tuple[str, int]] = {}  # request id -> (relay, eager tokens)
+        self._relays: dict[str, list[int]] = {}  # relay -> [relays held, eager tokens]
         self._eager = 0
         self._peak_relays = 0
         self._peak_eager = 0
         self._by_route: Counter[str] = Counter()
         self._by_reason: Counter[str] = Counter()
+        self._by_main: Counter[str] = Counter()
         self._recent: deque[RouteDecision] = deque(maxlen=self.policy.history)
+
+    def link_for(self, main: str) -> LinkEstimate:
+        """The WAN estimate to MD ``main`` (the default :attr:`link` until it has one)."""
+        return self.links.get(main, self.link)
 
     def update_link(
         self,
@@ -204,26 +358,39 @@ class Router:
         bandwidth_bytes_s: float | None = None,
         rtt_s: float | None = None,
         weight: float = 1.0,
+        main: str | None = None,
     ) -> None:
-        """Fold a new WAN measurement into the estimate.
+        """Fold a new WAN measurement into an estimate.
 
         Args:
             bandwidth_bytes_s: measured goodput, if any.
             rtt_s: measured round trip, if any.
             weight: EWMA weight of the new sample (1.0 replaces the estimate).
+            main: the MD it was measured to; None updates the default
+                :attr:`link` (a one-MD deployment, or every MD without its own).
         """
-        bw, rtt = self.link.bandwidth_bytes_s, self.link.rtt_s
+        old = self.link if main is None else self.link_for(main)
+        bw, rtt = old.bandwidth_bytes_s, old.rtt_s
         if bandwidth_bytes_s is not None and bandwidth_bytes_s > 0:
             bw = (1 - weight) * bw + weight * bandwidth_bytes_s
         if rtt_s is not None and rtt_s >= 0:
             rtt = (1 - weight) * rtt + weight * rtt_s
-        self.link = LinkEstimate(bw, rtt)
+        if main is None:
+            self.link = LinkEstimate(bw, rtt)
+        else:
+            self.links[main] = LinkEstimate(bw, rtt)
+
+    def forget(self, name: str) -> None:
+        """An instance left (the directory said so): drop its link estimate.
+        Its relays stay counted until each is released."""
+        self.links.pop(name, None)
 
     def decide(self, request: RouteRequest, now: float) -> RouteDecision:
-        """Choose the route of ``request`` and, for RLD routes, admit it.
+        """Choose the MD, the route and (for RLD routes) the RLD of
+        ``request``, and admit it there.
 
         Args:
-            request: the request's size and limits.
+            request: the request's size, limits and candidate instances.
             now: the current time.
 
         Returns:
@@ -231,17 +398,35 @@ class Router:
             :meth:`release` when RLD lets go of the request.
 
         Raises:
-            LocalProtocolError: if the request id already holds an RLD slot.
+            LocalProtocolError: if the request id already holds an RLD slot,
+                ``mains`` is empty, or a forced relay route has no RLD.
         """
-        if request.request_id in self._active:
-            raise LocalProtocolError(
-                "request already admitted to RLD", request_id=request.request_id
-            )
+        rid = request.request_id
+        if rid in self._active:
+            raise LocalProtocolError("request already admitted to RLD", request_id=rid)
         p = self.policy
-        transfer = self.link.transfer_s(max(0, request.delta_bytes))
+        mains = request.mains
+        if mains is None:
+            mains = (MainCandidate("", request.delta_bytes),)
+        elif not mains:
+            raise LocalProtocolError("no MD candidate to route to", request_id=rid)
+        md, scored = self._pick_main(mains)
+        transfer = scored[md][0]
+        best = mains[md]
         target = request.ttft_target_s if request.ttft_target_s is not None else p.ttft_target_s
+        relays = _ONE_RELAY if request.relays is None else request.relays
         eager = 0
-        if transfer + p.md_first_token_s <= target:
+        relay = -1
+        verdicts: list[Verdict] = [Verdict.NOT_NEEDED] * len(relays)
+        if request.route is not None:
+            route, reason = request.route, RouteReason.FORCED
+            if route is not Route.P_MD:
+                if not relays:
+                    raise LocalProtocolError(
+                        f"no RLD candidate for the forced route {route.value}", request_id=rid
+                    )
+                relay = self._pick_relay(relays, 0, verdicts, admit=False)
+        elif transfer + p.md_first_token_s <= target:
             route, reason = Route.P_MD, RouteReason.FITS_TTFT
         else:
             short = request.max_tokens / p.rld_decode_rate <= p.skip_factor * transfer
@@ -253,24 +438,118 @@ class Router:
                 eager = min(
                     request.max_tokens, math.ceil(transfer * p.rld_decode_rate) + p.catchup_slack
                 )
-            if len(self._active) >= p.max_concurrent_relays:
-                route, reason, eager = Route.P_MD, RouteReason.RELAY_FULL, 0
-            elif self._eager + eager > p.max_eager_tokens:
-                route, reason, eager = Route.P_MD, RouteReason.EAGER_BUDGET, 0
-            else:
+            relay = self._pick_relay(relays, eager, verdicts)
+            if relay >= 0:
                 route, reason = want, why
-        if route is not Route.P_MD:
-            self._active[request.request_id] = eager
+            else:
+                if not relays:
+                    reason = RouteReason.NO_RELAY
+                elif Verdict.EAGER_LIMIT in verdicts:
+                    reason = RouteReason.EAGER_BUDGET
+                else:
+                    reason = RouteReason.RELAY_FULL
+                route, eager = Route.P_MD, 0
+        relay_name = relays[relay].name if relay >= 0 else ""
+        if relay >= 0 and reason is not RouteReason.FORCED:
+            self._active[rid] = (relay_name, eager)
+            held = self._relays.setdefault(relay_name, [0, 0])
+            held[0] += 1
+            held[1] += eager
             self._eager += eager
             self._peak_relays = max(self._peak_relays, len(self._active))
             self._peak_eager = max(self._peak_eager, self._eager)
-        decision = RouteDecision(request.request_id, route, reason, transfer, eager, now)
+        candidates = tuple(
+            Candidate(c.name, "main", v, t, c.delta_bytes, c.bytes_ahead, c.active)
+            for c, (t, v) in zip(mains, scored, strict=True)
+        ) + tuple(
+            Candidate(c.name, "relay", v, active=c.active + self._held(c.name))
+            for c, v in zip(relays, verdicts, strict=True)
+        )
+        decision = RouteDecision(
+            rid,
+            route,
+            reason,
+            transfer,
+            eager,
+            now,
+            best.name,
+            relay_name,
+            best.delta_bytes,
+            best.bytes_ahead,
+            candidates,
+        )
         self._by_route[route.value] += 1
         self._by_reason[reason.name] += 1
+        self._by_main[best.name] += 1
         self._recent.append(decision)
         if self._on_decision is not None:
             self._on_decision(decision)
         return decision
+
+    def _pick_main(
+        self, mains: tuple[MainCandidate, ...]
+    ) -> tuple[int, list[tuple[float, Verdict]]]:
+        """(index of the winner, each MD's (transfer_s, verdict))."""
+        times = [
+            self.link_for(c.name).transfer_s(max(0, c.delta_bytes), max(0, c.bytes_ahead))
+            for c in mains
+        ]
+        open_ = [i for i, c in enumerate(mains) if not c.capacity or c.active < c.capacity]
+        pool = open_ or list(range(len(mains)))
+        first = min(times[i] for i in pool)
+        tied = [i for i in pool if times[i] <= first + self.policy.tie_s]
+
+        def load(i: int) -> tuple[float, int, str]:
+            c = mains[i]
+            frac = c.active / c.capacity if c.capacity else 0.0
+            return (frac, c.delta_bytes, c.name)
+
+        win = min(tied, key=load)
+        shut = set(range(len(mains))) - set(pool)
+        scored = []
+        for i, t in enumerate(times):
+            if i == win:
+                v = Verdict.CHOSEN
+            elif i in shut:
+                v = Verdict.AT_CAPACITY
+            elif i in tied:
+                v = Verdict.MORE_LOADED
+            else:
+                v = Verdict.LANDS_LATER
+            scored.append((t, v))
+        return win, scored
+
+    def _held(self, relay: str) -> int:
+        held = self._relays.get(relay)
+        return held[0] if held else 0
+
+    def _pick_relay(
+        self,
+        relays: tuple[RelayCandidate, ...],
+        eager: int,
+        verdicts: list[Verdict],
+        *,
+        admit: bool = True,
+    ) -> int:
+        """The index of the least loaded RLD that admits ``eager`` tokens
+        (any, with ``admit`` false), or -1; ``verdicts`` gets each one's."""
+        p = self.policy
+        best, best_key = -1, (0, 0, "")
+        for i, c in enumerate(relays):
+            held = self._relays.get(c.name) or (0, 0)
+            load = c.active + held[0]
+            if admit and load >= p.max_concurrent_relays:
+                verdicts[i] = Verdict.RELAY_LIMIT
+            elif admit and held[1] + eager > p.max_eager_tokens:
+                verdicts[i] = Verdict.EAGER_LIMIT
+            else:
+                verdicts[i] = Verdict.MORE_LOADED
+                key = (load, held[1], c.name)
+                if best < 0 or key < best_key:
+                    best, best_key = i, key
+        if best >= 0:
+            verdicts[best] = Verdict.CHOSEN
+        return best
 
     def release(self, request_id: int) -> None:
         """RLD let go of ``request_id`` (released, finished, failed or cancelled).
@@ -278,13 +557,20 @@ class Router:
         Releasing an unknown or already released id is a no-op, so drivers
         may call it from every exit path.
         """
-        eager = self._active.pop(request_id, None)
-        if eager is not None:
-            self._eager -= eager
+        entry = self._active.pop(request_id, None)
+        if entry is None:
+            return
+        relay, eager = entry
+        self._eager -= eager
+        held = self._relays[relay]
+        held[0] -= 1
+        held[1] -= eager
+        if not held[0]:
+            del self._relays[relay]
 
     @property
     def active_relays(self) -> int:
-        """Requests holding an RLD slot now."""
+        """Requests holding an RLD slot now, over every RLD."""
         return len(self._active)
 
     def decisions(self) -> tuple[RouteDecision, ...]:
@@ -301,4 +587,7 @@ class Router:
             dict(self._by_route),
             dict(self._by_reason),
             self.link,
+            {name: held[0] for name, held in self._relays.items()},
+            dict(self._by_main),
+            dict(self.links),
         )

@@ -217,6 +217,21 @@ class Scheduler:
         tx = self._txs[transfer_id]
         return tx.total - tx.acked
 
+    def bytes_ahead(self, nbytes: int, priority: int = 0) -> int:
+        """Bytes that go out before a transfer of ``nbytes`` at ``priority``
+        added now would finish: the unacknowledged bytes of every transfer
+        ranked ahead of it (the ``policy``'s order; ready or not yet), and
+        the chunks of the others already in flight (cut and on a socket)."""
+        new = (-priority, nbytes)
+        ahead = 0
+        for tx in self._txs.values():
+            left = tx.total - tx.acked
+            if self.policy == "fifo" or (-tx.priority, left) <= new:
+                ahead += left
+            else:
+                ahead += sum(ch.hi - ch.lo for ch in tx.inflight.values())
+        return ahead
+
     # -- streams ---------------------------------------------------------------
 
     def _key(self, tx: _Tx) -> tuple[int, ...]:

@@ -496,6 +496,12 @@ class WanSender(Sender):
         up[0].control.append(frame)
         self._wake()
 
+    def bytes_ahead(self, nbytes: int, priority: int = 0) -> int:
+        """Bytes this sender sends before a new transfer of ``nbytes`` at
+        ``priority`` would finish (the scheduler's order and what is already
+        in flight): the router's queue-aware estimate. Read-only."""
+        return self._sched.bytes_ahead(nbytes, priority)
+
     def statistics(self) -> SenderStatistics:
         streams = tuple(
             StreamStatistics(
