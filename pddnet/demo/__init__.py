@@ -376,13 +376,31 @@ def summarize(
     rows = _request_rows(records)
     by_phase = {ph: [r for r in rows if r["phase"] == ph] for ph in _PHASES}
 
-    def ttft(phase: str, low: bool | None) -> float:
-        sel = [
+    def ttfts(phase: str, low: bool | None) -> list[float]:
+        return [
             r["ttft_ms"]
             for r, rec in zip(rows, records, strict=True)
             if r["phase"] == phase and (low is None or (rec["turn"] == 0) == low)
         ]
+
+    def ttft(phase: str, low: bool | None) -> float:
+        sel = ttfts(phase, low)
         return float(np.median(sel)) if sel else float("nan")
+
+    def ttft_all() -> dict[str, float]:
+        # TTFT over all requests of each phase: mean, p90, p99 and how much PDD cuts each
+        out: dict[str, float] = {}
+        for stat, fn in (
+            ("mean", np.mean),
+            ("p90", lambda v: np.percentile(v, 90)),
+            ("p99", lambda v: np.percentile(v, 99)),
+        ):
+            got = {ph: float(fn(v)) if (v := ttfts(ph, None)) else float("nan") for ph in _PHASES}
+            out[f"ttft_{stat}_ms_all_pdd"] = got["pdd"]
+            out[f"ttft_{stat}_ms_all_baseline"] = got["baseline"]
+            base = got["baseline"]
+            out[f"ttft_{stat}_reduction"] = 1 - got["pdd"] / base if base else float("nan")
+        return out
 
     def tokens(rec: dict[str, Any]) -> list[int]:
         return [t[2] for t in sorted(rec["tokens"], key=lambda t: t[1])]
@@ -420,6 +438,7 @@ def summarize(
         "ttft_p50_reduction_low_hit": 1 - low_pdd / low_base if low_base else float("nan"),
         "ttft_p50_ms_all_pdd": ttft("pdd", None),
         "ttft_p50_ms_all_baseline": ttft("baseline", None),
+        **ttft_all(),
         "rld_token_share": rld_tokens / all_tokens if all_tokens else 0.0,
         "wan_bytes": wan,
         "wan_bytes_saved_by_drc": saved,
