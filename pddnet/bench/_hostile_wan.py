@@ -17,7 +17,7 @@ line, and answers each on stdout with one line carrying the command's ``id``:
   (the exception's type name), ``late_s`` (end minus deadline), ``sha256``.
 * ``{"op": "stats"}``: the receiver's statistics, ``max_stall_ms`` and
   ``max_stall_cpu_ms`` (since the previous ``stats``), ``fds`` (open
-  descriptors) and ``load`` (the 1-minute load average).
+  descriptors), ``rss_kib`` (peak RSS) and ``load`` (the 1-minute load average).
 
 EOF ends it. The attacks run in the caller's process over loopback, strangers
 from other ``127.0.0.x`` addresses, while an honest :class:`WanSender` moves
@@ -43,6 +43,7 @@ import hashlib
 import json
 import mmap
 import os
+import resource
 import socket
 import sys
 import tempfile
@@ -143,6 +144,7 @@ async def _serve(buffer_bytes: int | None) -> None:
             msg.update(asdict(rx.statistics()))
             msg.update(max_stall_ms=stall[0] * 1e3, max_stall_cpu_ms=stall[1] * 1e3)
             msg.update(fds=len(os.listdir("/proc/self/fd")), load=os.getloadavg()[0])
+            msg.update(rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
             stall[:] = [0.0, 0.0]
         await reply(msg)
 
@@ -520,6 +522,7 @@ def _stall_figures(stats: dict[str, Any]) -> dict[str, float]:
         "max_loop_stall_cpu_ms": stats["max_stall_cpu_ms"],
         "max_loop_stall_wall_ms": stats["max_stall_ms"],
         "load_average": stats["load"],
+        "server_peak_rss_kib": stats["rss_kib"],  # grant buffers included
     }
 
 
