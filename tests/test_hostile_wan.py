@@ -25,6 +25,7 @@ import json
 import os
 import resource
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -48,7 +49,15 @@ from pddnet.bench._hostile_wan import (
 from pddnet.control import ControlNode
 from pddnet.kv import ByteRanges
 from pddnet.transport._base import Grant
-from pddnet.transport.wan import GrantTable, Scheduler, WanLimits, WanReceiver, WanSender
+from pddnet.transport.testing import TestCerts, make_test_certs
+from pddnet.transport.wan import (
+    GrantTable,
+    Scheduler,
+    TlsConfig,
+    WanLimits,
+    WanReceiver,
+    WanSender,
+)
 from pddnet.transport.wan._acceptor import (
     K_CHUNK_FLOOR,
     K_CHUNK_SLACK,
@@ -524,3 +533,63 @@ def test_bench_hostile_summary() -> None:
         "honest_transfers_failed": 2,
         "not_survived": ["b"],
     }
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> TestCerts:
+    made = make_test_certs(tmp_path_factory.mktemp("certs"))
+    if made is None:
+        pytest.skip("no openssl command to make test certificates")
+    return made
+
+
+def _tls_then_silent(address: str, hold: threading.Event) -> socket.socket:
+    """A stranger that finishes TLS (no certificate checks) and then says nothing."""
+    host, port = address.rsplit(":", 1)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    tls = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=5))
+    hold.set()
+    return tls
+
+
+def _closed_blocking(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the peer closes ``sock`` within ``timeout`` (what it sends first is dropped)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 10):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+async def test_shed_tls_handshakes_close_their_sockets(certs: TestCerts) -> None:
+    """Shedding cancels a handshake wherever it is (the TLS peek, the challenge-response
+    inside TLS): every shed socket is closed, the counts and descriptors go back to
+    baseline, and an honest TLS sender still gets through the full table."""
+    fds = len(os.listdir("/proc/self/fd"))
+    tls = TlsConfig(cert=certs.server_cert, key=certs.server_key)
+    lim = WanLimits(max_handshakes=2, max_handshakes_per_peer=2)
+    async with WanReceiver(secret=SECRET, tls=tls, limits=lim) as rx:
+        silent = await _connect(rx.address, "127.0.0.2")  # waits in the TLS peek
+        held = threading.Event()
+        inner = await trio.to_thread.run_sync(_tls_then_silent, rx.address, held)  # in auth
+        await _wait_for(lambda: rx._handshakes == 2, "two handshakes")
+        n = 1 << 16
+        src, dst = os.urandom(n), bytearray(n)
+        g = rx.grant([dst], ByteRanges.build([0], [0], [n], [0]), timeout=K_BOUND_S)
+        client = TlsConfig(ca=certs.ca, server_hostname="localhost")
+        with trio.fail_after(3.0):  # the old receiver refused it until a 5 s deadline freed a slot
+            async with WanSender(rx.address, secret=SECRET, tls=client, streams=1) as tx:
+                await tx.send(g, [src], ByteRanges.build([0], [0], [n], [0]))
+        assert dst == src
+        assert await _closed_by_peer(silent), "the shed stranger in the TLS peek was kept"
+        assert await trio.to_thread.run_sync(_closed_blocking, inner), "the one in auth was kept"
+        assert rx.statistics().handshakes_shed >= 2
+        silent.close()
+        inner.close()
+        await _wait_for(lambda: not rx._handshakes and not rx._conn_count, "counts at baseline")
+    await _wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds, "descriptors at baseline")
