@@ -316,7 +316,7 @@ async def attack_stranger_identities(
     st = end["statistics"]
     refused = _refusals(end) - _refusals(base)
     return AttackResult(
-        "control: 1,500 stranger identities",
+        f"control: {strangers:,} stranger identities",
         max_loop_stall_ms=end["max_stall_ms"],
         honest_ok=honest.requests - honest.failed,
         honest_failed=honest.failed,
