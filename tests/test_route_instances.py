@@ -139,7 +139,7 @@ def test_relays_held_for_other_prefill_instances_count_against_the_limit() -> No
     assert d.relay == "rld1"
     assert {c.name: c.active for c in d.candidates if c.role == "relay"} == {
         "rld0": 4,
-        "rld1": 3,  # the other instances' 2 and this one
+        "rld1": 2,  # the other instances' 2 (this one came after)
     }
     assert verdicts(d)["rld0"] is Verdict.RELAY_LIMIT
 

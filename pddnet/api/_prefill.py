@@ -309,7 +309,7 @@ class PrefillEndpoint:
         mains = self._peers("main", main)
         if not mains:
             raise LocalProtocolError("no main endpoint connected")
-        keys = block_hashes(prompt, self.pool.layout.block_size)
+        keys = block_hashes(prompt, self.pool.layout.block_size).tolist()  # probed per MD
         out = []
         for md in mains:
             delta = (nblocks - self.mirrors[md].predict(keys)) * self.pool.layout.block_bytes

@@ -25,6 +25,7 @@ effort), and those newer than the snapshot are replayed on top of it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,14 +259,19 @@ class CacheMirror:
                 self._apply_event(ev)
 
     # ---------------------------------------------------------------- delta
-    def predict(self, keys: npt.NDArray[np.uint64]) -> int:
-        """Leading blocks (of a prompt with chain ``keys``) the mirror expects MD to hold."""
-        lo, hi = 0, int(keys.size)  # invariant: keys[:lo] present, keys[hi:] absent
+    def predict(self, keys: npt.NDArray[np.uint64] | Sequence[int]) -> int:
+        """Leading blocks (of a prompt with chain ``keys``) the mirror expects MD to hold.
+
+        ``keys`` as a list (``keys.tolist()``) is faster to probe than the
+        array: P routing across several MDs converts once and asks each mirror.
+        """
+        lo, hi = 0, len(keys)  # invariant: keys[:lo] present, keys[hi:] absent
         have = self._keys
-        if hi == 0 or not have:
+        if hi == 0 or not have or int(keys[0]) not in have:
             return 0
         if int(keys[hi - 1]) in have:
             return hi
+        lo = 1
         while lo < hi:
             mid = (lo + hi) // 2
             if int(keys[mid]) in have:

@@ -228,7 +228,8 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One instance the router weighed for a request, and its verdict.
+    """One instance the router weighed for a request, and its verdict (see
+    :attr:`RouteDecision.candidates`).
 
     Attributes:
         name: the instance.
@@ -262,11 +263,15 @@ class RouteDecision:
             MD, the bytes queued ahead of it included.
         eager_tokens: eager tokens reserved on RLD (0 on P->MD).
         at: when it was decided.
-        main: the chosen MD ("" for the unnamed one, or a forced route).
+        main: the chosen MD ("" for the unnamed one).
         relay: the chosen RLD ("" on P->MD, or for the unnamed one).
         delta_bytes: the bytes the chosen MD lacks.
         bytes_ahead: the bytes queued ahead of them at P's sender.
-        candidates: every instance weighed, MDs first, with its verdict.
+        mains, relays: the candidates as the router got them.
+        estimates: each MD's estimated landing time (``transfer_s``), as ``mains``.
+        relay_loads: each RLD's relays as the router counted them (its
+            candidate's ``active`` plus this router's), as ``relays``.
+        verdicts: each candidate's :class:`Verdict`, MDs then RLDs.
     """
 
     request_id: int
@@ -279,7 +284,11 @@ class RouteDecision:
     relay: str = ""
     delta_bytes: int = 0
     bytes_ahead: int = 0
-    candidates: tuple[Candidate, ...] = ()
+    mains: tuple[MainCandidate, ...] = ()
+    relays: tuple[RelayCandidate, ...] = ()
+    estimates: tuple[float, ...] = ()
+    relay_loads: tuple[int, ...] = ()
+    verdicts: tuple[Verdict, ...] = ()
 
     @property
     def uses_rld(self) -> bool:
@@ -290,6 +299,19 @@ class RouteDecision:
     def uses_wan(self) -> bool:
         """Whether P ships the KV delta to MD."""
         return self.route is not Route.P_RLD
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every instance weighed, MDs first, with the numbers and its verdict
+        (built on demand: the decision keeps them as parallel tuples)."""
+        n = len(self.mains)
+        return tuple(
+            Candidate(c.name, "main", v, t, c.delta_bytes, c.bytes_ahead, c.active)
+            for c, t, v in zip(self.mains, self.estimates, self.verdicts[:n], strict=True)
+        ) + tuple(
+            Candidate(c.name, "relay", v, active=load)
+            for c, load, v in zip(self.relays, self.relay_loads, self.verdicts[n:], strict=True)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,14 +432,15 @@ class Router:
             mains = (MainCandidate("", request.delta_bytes),)
         elif not mains:
             raise LocalProtocolError("no MD candidate to route to", request_id=rid)
-        md, scored = self._pick_main(mains)
-        transfer = scored[md][0]
-        best = mains[md]
+        times, win, verdicts = self._pick_main(mains)
+        transfer = times[win]
+        best = mains[win]
         target = request.ttft_target_s if request.ttft_target_s is not None else p.ttft_target_s
         relays = _ONE_RELAY if request.relays is None else request.relays
+        loads = [c.active + self._held(c.name) for c in relays]
+        rverdicts = [Verdict.NOT_NEEDED] * len(relays)
         eager = 0
         relay = -1
-        verdicts: list[Verdict] = [Verdict.NOT_NEEDED] * len(relays)
         if request.route is not None:
             route, reason = request.route, RouteReason.FORCED
             if route is not Route.P_MD:
@@ -425,7 +448,7 @@ class Router:
                     raise LocalProtocolError(
                         f"no RLD candidate for the forced route {route.value}", request_id=rid
                     )
-                relay = self._pick_relay(relays, 0, verdicts, admit=False)
+                relay = self._pick_relay(relays, loads, 0, rverdicts, admit=False)
         elif transfer + p.md_first_token_s <= target:
             route, reason = Route.P_MD, RouteReason.FITS_TTFT
         else:
@@ -438,13 +461,13 @@ class Router:
                 eager = min(
                     request.max_tokens, math.ceil(transfer * p.rld_decode_rate) + p.catchup_slack
                 )
-            relay = self._pick_relay(relays, eager, verdicts)
+            relay = self._pick_relay(relays, loads, eager, rverdicts)
             if relay >= 0:
                 route, reason = want, why
             else:
                 if not relays:
                     reason = RouteReason.NO_RELAY
-                elif Verdict.EAGER_LIMIT in verdicts:
+                elif Verdict.EAGER_LIMIT in rverdicts:
                     reason = RouteReason.EAGER_BUDGET
                 else:
                     reason = RouteReason.RELAY_FULL
@@ -458,13 +481,6 @@ class Router:
             self._eager += eager
             self._peak_relays = max(self._peak_relays, len(self._active))
             self._peak_eager = max(self._peak_eager, self._eager)
-        candidates = tuple(
-            Candidate(c.name, "main", v, t, c.delta_bytes, c.bytes_ahead, c.active)
-            for c, (t, v) in zip(mains, scored, strict=True)
-        ) + tuple(
-            Candidate(c.name, "relay", v, active=c.active + self._held(c.name))
-            for c, v in zip(relays, verdicts, strict=True)
-        )
         decision = RouteDecision(
             rid,
             route,
@@ -476,7 +492,11 @@ class Router:
             relay_name,
             best.delta_bytes,
             best.bytes_ahead,
-            candidates,
+            mains,
+            relays,
+            tuple(times),
+            tuple(loads),
+            (*verdicts, *rverdicts),
         )
         self._by_route[route.value] += 1
         self._by_reason[reason.name] += 1
@@ -488,36 +508,37 @@ class Router:
 
     def _pick_main(
         self, mains: tuple[MainCandidate, ...]
-    ) -> tuple[int, list[tuple[float, Verdict]]]:
-        """(index of the winner, each MD's (transfer_s, verdict))."""
-        times = [
-            self.link_for(c.name).transfer_s(max(0, c.delta_bytes), max(0, c.bytes_ahead))
-            for c in mains
-        ]
+    ) -> tuple[list[float], int, list[Verdict]]:
+        """(each MD's landing estimate, the winner's index, each MD's verdict)."""
+        links, default = self.links, self.link
+        times = []
+        for c in mains:
+            link = links.get(c.name, default)
+            times.append(
+                link.rtt_s
+                + (max(0, c.bytes_ahead) + max(0, c.delta_bytes)) / link.bandwidth_bytes_s
+            )
         open_ = [i for i, c in enumerate(mains) if not c.capacity or c.active < c.capacity]
-        pool = open_ or list(range(len(mains)))
-        first = min(times[i] for i in pool)
-        tied = [i for i in pool if times[i] <= first + self.policy.tie_s]
+        pool = open_ or range(len(mains))
+        limit = min(times[i] for i in pool) + self.policy.tie_s
+        tied = [i for i in pool if times[i] <= limit]
+        win = tied[0]
+        if len(tied) > 1:
 
-        def load(i: int) -> tuple[float, int, str]:
-            c = mains[i]
-            frac = c.active / c.capacity if c.capacity else 0.0
-            return (frac, c.delta_bytes, c.name)
+            def load(i: int) -> tuple[float, int, str]:
+                c = mains[i]
+                return (c.active / c.capacity if c.capacity else 0.0, c.delta_bytes, c.name)
 
-        win = min(tied, key=load)
-        shut = set(range(len(mains))) - set(pool)
-        scored = []
-        for i, t in enumerate(times):
-            if i == win:
-                v = Verdict.CHOSEN
-            elif i in shut:
-                v = Verdict.AT_CAPACITY
-            elif i in tied:
-                v = Verdict.MORE_LOADED
-            else:
-                v = Verdict.LANDS_LATER
-            scored.append((t, v))
-        return win, scored
+            win = min(tied, key=load)
+        verdicts = [Verdict.LANDS_LATER] * len(mains)
+        if len(open_) < len(mains) and open_:
+            for i, c in enumerate(mains):
+                if c.capacity and c.active >= c.capacity:
+                    verdicts[i] = Verdict.AT_CAPACITY
+        for i in tied:
+            verdicts[i] = Verdict.MORE_LOADED
+        verdicts[win] = Verdict.CHOSEN
+        return times, win, verdicts
 
     def _held(self, relay: str) -> int:
         held = self._relays.get(relay)
@@ -526,6 +547,7 @@ class Router:
     def _pick_relay(
         self,
         relays: tuple[RelayCandidate, ...],
+        loads: list[int],
         eager: int,
         verdicts: list[Verdict],
         *,
@@ -536,15 +558,15 @@ class Router:
         p = self.policy
         best, best_key = -1, (0, 0, "")
         for i, c in enumerate(relays):
-            held = self._relays.get(c.name) or (0, 0)
-            load = c.active + held[0]
-            if admit and load >= p.max_concurrent_relays:
+            held = self._relays.get(c.name)
+            reserved = held[1] if held else 0
+            if admit and loads[i] >= p.max_concurrent_relays:
                 verdicts[i] = Verdict.RELAY_LIMIT
-            elif admit and held[1] + eager > p.max_eager_tokens:
+            elif admit and reserved + eager > p.max_eager_tokens:
                 verdicts[i] = Verdict.EAGER_LIMIT
             else:
                 verdicts[i] = Verdict.MORE_LOADED
-                key = (load, held[1], c.name)
+                key = (loads[i], reserved, c.name)
                 if best < 0 or key < best_key:
                     best, best_key = i, key
         if best >= 0:

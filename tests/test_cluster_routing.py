@@ -1,0 +1,201 @@
+"""Routing across instances with real endpoints over loopback sockets (one P,
+two RLD, two MD in one trio loop): a session's later turns go to the MD
+holding its prefix, relays share the load, a prefix still in flight to an MD
+does not count as cached there and its bytes count as queued ahead, and with
+no relay connected the router sheds to P->MD."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import trio
+
+from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine, RelayEndpoint
+from pddnet.demo import reference_streams
+from pddnet.recompute import TINY, ReferenceModel, greedy
+from pddnet.route import LinkEstimate, Route, RoutePolicy, Router, RouteReason, Verdict
+
+KEY = b"a-cluster-routing-test-secret-0123456789"
+NB = 512
+MAX_TOKENS = 24
+# TINY's KV is 8 KiB a block: at 100 kB/s a 200-token first turn (13 blocks)
+# takes ~1 s to land, over the 0.5 s target (RLD masks it); a later turn's
+# 2-block delta lands in 0.16 s (P->MD). Transfers this small never update the
+# estimate (only those of 1 MiB or more do).
+POLICY = RoutePolicy(ttft_target_s=0.5, md_first_token_s=0.05)
+SLOW = LinkEstimate(bandwidth_bytes_s=1e5, rtt_s=0.001)
+
+
+def _model() -> ReferenceModel:
+    return ReferenceModel.create(TINY, num_blocks=NB)
+
+
+@contextlib.asynccontextmanager
+async def cluster(relays: int, mains: int) -> Any:
+    """P and the decoders, all connected: P to each, each RLD to each MD."""
+    pm = _model()
+    async with contextlib.AsyncExitStack() as stack:
+        p = await stack.enter_async_context(
+            PrefillEndpoint("p", pm.pool, secret=KEY, router=Router(POLICY, SLOW))
+        )
+        rlds, mds = [], []
+        for i in range(relays):
+            m = _model()
+            rlds.append(
+                await stack.enter_async_context(
+                    RelayEndpoint(
+                        f"rld{i}", m.pool, ReferenceEngine(m, step_time_s=0.01), secret=KEY
+                    )
+                )
+            )
+        for i in range(mains):
+            m = _model()
+            mds.append(
+                await stack.enter_async_context(
+                    MainEndpoint(f"md{i}", m.pool, ReferenceEngine(m), secret=KEY)
+                )
+            )
+        for dec in (*rlds, *mds):
+            await p.connect_peer(dec.info())
+            await dec.connect_peer(p.info())
+        for rld in rlds:
+            for md in mds:
+                await rld.connect_peer(md.info())
+                await md.connect_peer(rld.info())
+        yield pm, p, rlds, mds
+
+
+async def wait_cached(p: PrefillEndpoint, md: str, prompt: list[int]) -> None:
+    """Until P's mirror of ``md``'s cache holds the prompt's full blocks (MD
+    caches a prompt when its request ends, then tells P)."""
+    from pddnet.cache import block_hashes
+
+    keys = block_hashes(prompt, p.pool.layout.block_size)
+    while p.mirrors[md].predict(keys) < len(keys):
+        await trio.sleep(0.01)
+
+
+async def test_a_session_stays_on_the_md_holding_its_prefix_and_relays_share_the_load() -> None:
+    rng = np.random.default_rng(5)
+    sessions = []
+    for _ in range(4):
+        prompt = rng.integers(0, TINY.vocab_size, 200).tolist()
+        sessions.append([prompt, prompt + rng.integers(0, TINY.vocab_size, 20).tolist()])
+    subs: dict[tuple[int, int], Any] = {}
+    records: list[dict[str, Any]] = []
+    got: dict[int, list[int]] = {}
+    async with cluster(2, 2) as (pm, p, _rlds, _mds):
+        released: dict[int, trio.Event] = {}
+
+        async def releases() -> None:
+            while True:
+                ev = await p.next_event()
+                assert ev.error is None, ev
+                released.setdefault(ev.request_id, trio.Event()).set()
+
+        async def session(s: int, turns: list[list[int]]) -> None:
+            seq = pm.new_sequence()
+            done = 0
+            for t, prompt in enumerate(turns):
+                rid = 100 * (s + 1) + t
+                released.setdefault(rid, trio.Event())
+                if t:
+                    await wait_cached(p, subs[s, 0].main, turns[t - 1])
+                pm.reserve(seq, len(prompt))
+                seq.length = done
+                first = greedy(pm.extend(seq, prompt[done:]))
+                done = len(prompt)
+                blocks = seq.block_table[: pm.pool.layout.blocks_for_tokens(len(prompt))]
+                stream = p.sink.open(rid, deadline_s=30, max_tokens=MAX_TOKENS)
+                subs[s, t] = await p.submit(
+                    rid, prompt, blocks.tolist(), first, MAX_TOKENS, sink="p"
+                )
+                got[rid] = await stream.result()
+                await released[rid].wait()
+                records.append(
+                    {
+                        "request_id": rid,
+                        "phase": "x",
+                        "session": s,
+                        "turn": t,
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                    }
+                )
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(releases)
+                async with trio.open_nursery() as group:
+                    for s, turns in enumerate(sessions):
+                        group.start_soon(session, s, turns)
+                nursery.cancel_scope.cancel()
+    ref = reference_streams(records)
+    assert all(got[rid] == ref[rid] for rid in got), "a stream differs from greedy"
+    firsts = [subs[s, 0] for s in range(4)]
+    assert all(sub.decision.route is Route.P_RLD_MD for sub in firsts)
+    # the router held each relay's slots itself: the first turns alternate
+    assert Counter(sub.relay for sub in firsts) == {"rld0": 2, "rld1": 2}
+    for s in range(4):
+        later = subs[s, 1]
+        # the MD that served the first turn holds 12 of the 14 blocks: P->MD there
+        assert later.main == firsts[s].main and later.hit_blocks == 12, (s, later)
+        assert later.decision.route is Route.P_MD and later.relay == ""
+        verdicts = {c.name: c.verdict for c in later.decision.candidates if c.role == "main"}
+        other = "md1" if later.main == "md0" else "md0"
+        assert verdicts == {later.main: Verdict.CHOSEN, other: Verdict.LANDS_LATER}
+
+
+async def test_a_prefix_in_flight_counts_as_missing_and_as_queued_ahead() -> None:
+    """A's KV is still on its way to md0 (held back: layer by layer, nothing
+    ready) when B, which extends A, is routed: md0's mirror does not count
+    A's blocks, and A's bytes are ahead of B's at md0's sender, so md1 (the
+    same delta, nothing queued) gets B."""
+    async with cluster(0, 2) as (pm, p, _, _mds):
+        rng = np.random.default_rng(9)
+        a = rng.integers(0, TINY.vocab_size, 400).tolist()
+        b = a + rng.integers(0, TINY.vocab_size, 20).tolist()
+        seq = pm.new_sequence()
+        pm.reserve(seq, len(b))
+        first_a = greedy(pm.extend(seq, a))
+        blocks = seq.block_table.tolist()
+        bb = pm.pool.layout.block_bytes
+        with trio.fail_after(30):
+            stream_a = p.sink.open(1, deadline_s=30, max_tokens=4)
+            sub_a = await p.submit(
+                1, a, blocks, first_a, 4, sink="p", route=Route.P_MD, main="md0", ready=False
+            )
+            assert sub_a.sent_blocks_wan == 25
+            first_b = greedy(pm.extend(seq, b[len(a) :]))
+            stream_b = p.sink.open(2, deadline_s=30, max_tokens=4)
+            sub_b = await p.submit(2, b, blocks, first_b, 4, sink="p")
+            assert sub_b.main == "md1" and sub_b.hit_blocks == 0
+            md0, md1 = (c for c in sub_b.decision.candidates if c.role == "main")
+            assert (md0.name, md0.verdict) == ("md0", Verdict.LANDS_LATER)
+            assert md0.delta_bytes == md1.delta_bytes == 27 * bb  # A's blocks not there yet
+            assert md0.bytes_ahead == 25 * bb and md1.bytes_ahead == 0
+            assert md0.transfer_s > md1.transfer_s
+            for layer in range(TINY.num_layers):
+                p.mark_layer_ready(1, layer)
+            await stream_a.result()
+            await stream_b.result()
+            for _ in range(2):
+                assert (await p.next_event()).error is None
+
+
+async def test_with_no_relay_connected_the_router_sheds_to_p_md() -> None:
+    async with cluster(0, 1) as (pm, p, _, _mds):
+        prompt = list(range(200))  # 13 blocks: ~1 s at 100 kB/s, over the target
+        seq = pm.new_sequence()
+        pm.reserve(seq, len(prompt))
+        first = greedy(pm.prefill(seq, prompt))
+        with trio.fail_after(30):
+            stream = p.sink.open(1, deadline_s=30, max_tokens=MAX_TOKENS)
+            sub = await p.submit(1, prompt, seq.block_table.tolist(), first, MAX_TOKENS, sink="p")
+            assert (sub.decision.route, sub.decision.reason) == (Route.P_MD, RouteReason.NO_RELAY)
+            assert sub.relay == "" and sub.main == "md0" and p.router.active_relays == 0
+            assert len(await stream.result()) == MAX_TOKENS
+            assert (await p.next_event()).error is None
