@@ -85,7 +85,8 @@ from pddnet.kv import ByteRanges
 from pddnet.transport import Grant
 from pddnet.transport.local import UcxSender, UcxWorker
 from pddnet.transport.local._auth import K_TAG_CTRL_RX, legacy_tags
-from pddnet.transport.local._transport import _Ctl, _pack, _parse_address
+from pddnet.transport.local._addressing import parse_address
+from pddnet.transport.local._transport import _Ctl, _pack
 
 SECRET = sys.argv[1].encode()
 LENS = [4096, 20000, 100]
@@ -111,7 +112,7 @@ async def raw_attack():
     ignore = lambda req, err: None
     async with trio.open_nursery() as n:
         await n.start(w.run)
-        ep = w.connect(_parse_address(peer)[1])
+        ep = w.connect(parse_address(peer)[1])
         sid = 0x1234
         w.send(ep, _pack(_Ctl.HELLO, sid, 0, 0, w.address), K_TAG_CTRL_RX, ignore)
         for tid in (ta, tb):

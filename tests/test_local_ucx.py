@@ -196,7 +196,7 @@ async def test_fallback_pair_moves_bytes(monkeypatch: pytest.MonkeyPatch) -> Non
     case = make_case(3, 100_000, pieces=4)
     rx = _fallback.open_local_receiver()
     async with rx:  # type: ignore[attr-defined]
-        tx = _fallback.open_local_sender(rx.address)  # type: ignore[attr-defined]
+        tx = _fallback.open_local_sender(rx.address)
         async with tx:  # type: ignore[attr-defined]
             g = rx.grant(case.dst, case.dst_ranges)
             with trio.fail_after(10):
@@ -226,21 +226,21 @@ def test_control_codec_and_addresses() -> None:
 
 def test_tls_across_network_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shared memory is dropped (cma added) only for a receiver in another netns."""
-    from pddnet.transport.local import _transport as tr
+    from pddnet.transport.local import _addressing as tr
 
-    monkeypatch.setattr(tr, "_netns_id", lambda: "111")
+    monkeypatch.setattr(tr, "netns_id", lambda: "111")
     monkeypatch.delenv("UCX_TLS", raising=False)
-    assert tr._tls_for_peer(None, "111") is None  # same namespace: untouched
-    assert tr._tls_for_peer(None, "") is None  # unknown: untouched
-    assert tr._tls_for_peer(None, "222") == "tcp,self,cma"
-    assert tr._tls_for_peer("rc,posix,sysv,self", "222") == "rc,self,cma"
-    assert tr._tls_for_peer("tcp,self", "222") == "tcp,self"
+    assert tr.tls_for_peer(None, "111") is None  # same namespace: untouched
+    assert tr.tls_for_peer(None, "") is None  # unknown: untouched
+    assert tr.tls_for_peer(None, "222") == "tcp,self,cma"
+    assert tr.tls_for_peer("rc,posix,sysv,self", "222") == "rc,self,cma"
+    assert tr.tls_for_peer("tcp,self", "222") == "tcp,self"
     monkeypatch.setenv("UCX_TLS", "tcp,sm,cma,self")
-    assert tr._tls_for_peer(None, "222") == "tcp,cma,self"
-    assert tr._parse_address("ucx:222:" + tr._b64(b"abc")) == ("222", b"abc")
-    assert tr._parse_address("ucx:" + tr._b64(b"abc")) == ("", b"abc")
+    assert tr.tls_for_peer(None, "222") == "tcp,cma,self"
+    assert tr.parse_address("ucx:222:" + tr.b64(b"abc")) == ("222", b"abc")
+    assert tr.parse_address("ucx:" + tr.b64(b"abc")) == ("", b"abc")
     with pytest.raises(LocalProtocolError):
-        tr._parse_address("ucx:1:abcde")  # bad padding
+        tr.parse_address("ucx:1:abcde")  # bad padding
 
 
 MANY_PIECES = (

@@ -37,7 +37,7 @@ import ucxx._lib.libucxx as ucx
 from ucxx._lib.arr import Array
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
-from pddnet.transport.local._transport import _parse_address
+from pddnet.transport.local._addressing import parse_address
 
 SECRET = b"pddnet-unexpected-test-0123456"
 JUNK, SIZE = 3000, 4096
@@ -50,7 +50,7 @@ async def main():
         ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         w = ucx.UCXWorker(ctx)
         ep = w.create_endpoint_from_worker_address(
-            ucx.UCXAddress.create_from_buffer(_parse_address(rx.address)[1]), False
+            ucx.UCXAddress.create_from_buffer(parse_address(rx.address)[1]), False
         )
         junk = Array(bytearray(os.urandom(SIZE)))
         reqs = []

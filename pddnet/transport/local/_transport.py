@@ -79,11 +79,9 @@ one UCX worker per sender session*).
 
 from __future__ import annotations
 
-import base64
 import enum
 import itertools
 import logging
-import os
 import secrets
 import struct
 import time
@@ -119,6 +117,15 @@ from ...wire._auth import (
 from .._auth import K_AUTH_TIMEOUT_S
 from .._base import Grant, ProgressCallback, Receiver, Sender, Transfer, TransferState, views_of
 from .._intervals import IntervalSet
+from ._addressing import (
+    K_ADDR_PREFIX,
+    b64,
+    netns_id,
+    parse_address,
+    tls_for_peer,
+    tls_without_peer_reads,
+    unb64,
+)
 from ._auth import (
     K_TAG_CTRL_RX,
     K_TAG_CTRL_TX,
@@ -129,7 +136,7 @@ from ._auth import (
     ucx_auth_context,
 )
 from ._ep_info import endpoint_transports
-from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
+from ._worker import UcxWorker, detects_dead_peers
 
 __all__ = [
     "UcxReceiver",
@@ -143,8 +150,6 @@ log = logging.getLogger("pddnet.transport.local")
 
 K_CTRL_MAX = 1 << 16
 K_MAX_PIECES = 1 << 24
-K_ADDR_PREFIX = "ucx:"
-K_SHM_TLS = {"sm", "shm", "posix", "sysv", "mm"}  # break between network namespaces
 K_KEEP_FINISHED = 4096  # finished transfers remembered for late waiters
 K_LENS_CACHE = 1024  # decoded grant piece lists kept by a sender
 K_DONE_BATCH = (K_CTRL_MAX - 64) // 4  # transfer ids per DONE message
@@ -254,83 +259,6 @@ def _flat_views(views: Sequence[Any]) -> list[Any]:
         else:
             out.extend(views_of([v]))
     return out
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text.encode())
-
-
-def _netns_id() -> str:
-    """This process's network namespace (its inode), or "" if unknown."""
-    try:
-        return str(os.stat("/proc/self/ns/net").st_ino)
-    except OSError:
-        return ""
-
-
-def _parse_address(address: str) -> tuple[str, bytes]:
-    """``ucx:[NETNS:]B64`` -> (the receiver's network namespace or "", its worker address)."""
-    body = address[len(K_ADDR_PREFIX) :]
-    netns, _, b64 = body.rpartition(":")
-    try:
-        return netns, _unb64(b64)
-    except ValueError as exc:
-        raise LocalProtocolError(f"malformed UCX address: {exc}") from exc
-
-
-def _tls_for_peer(tls: str | None, peer_netns: str) -> str | None:
-    """The transports to use towards a receiver in ``peer_netns``.
-
-    UCX's shared-memory transports (``sm`` = ``posix``/``sysv``) connect but
-    never deliver between network namespaces of one host (measured: every
-    transfer timed out; ``tcp`` and ``cma`` work). So when the receiver is in
-    another namespace they are replaced by ``cma`` (zero-copy rendezvous for
-    large messages; small ones go over ``tcp``).
-    """
-    mine = _netns_id()
-    if not peer_netns or not mine or peer_netns == mine:
-        return tls
-    current = tls or os.environ.get("UCX_TLS") or K_DEFAULT_TLS
-    names = [x for x in current.split(",") if x]
-    kept = [x for x in names if x not in K_SHM_TLS]
-    if kept == names:
-        return tls
-    if "cma" not in kept:
-        kept.append("cma")
-    log.info("UCX receiver in another network namespace: UCX_TLS %s -> %s", current, kept)
-    return ",".join(kept)
-
-
-K_PEER_READ_TLS = ("cma", "knem", "xpmem")  # transports that read the sender's memory
-
-
-def _tls_without_peer_reads(tls: str | None) -> str:
-    """``tls`` (a ``UCX_TLS`` value; None: the environment's or the default)
-    without the transports through which the receiver reads a sender's memory.
-
-    Over ``cma`` UCX's rendezvous is the receiver's ``process_vm_readv`` of the
-    sender's buffer; if the sender has died, that read fails and UCX, without
-    endpoint error handling (which shared memory rules out), aborts the
-    *receiving* process (measured: SIGABRT after ``cma_ep.c:85
-    process_vm_readv(pid=...) returned -1: No such process``). ``sm`` is
-    replaced by ``posix,sysv``, whose FIFOs carry the fragments instead.
-    """
-    current = tls or os.environ.get("UCX_TLS") or K_DEFAULT_TLS
-    names = [x.strip() for x in current.split(",") if x.strip()]
-    if not names or names[0].startswith("^") or names == ["all"]:
-        ex = [n.lstrip("^") for n in names if n != "all"]
-        return "^" + ",".join(dict.fromkeys([*ex, *K_PEER_READ_TLS]))
-    out: list[str] = []
-    for n in names:
-        if n == "sm":
-            out += ["posix", "sysv"]
-        elif n not in K_PEER_READ_TLS:
-            out.append(n)
-    return ",".join(dict.fromkeys(out))
 
 
 def _error_for(code: int, tid: int, peer: str) -> PddnetError:
@@ -665,7 +593,7 @@ class UcxReceiver(_Service, Receiver):
         cma: bool = True,
     ) -> None:
         if not cma:
-            tls = _tls_without_peer_reads(tls)
+            tls = tls_without_peer_reads(tls)
         super().__init__(tls, spin_us, secret, auth_timeout, busy_poll_us, busy_poll_max_bytes)
         self.drain_timeout = drain_timeout
         self.session_workers = session_workers
@@ -693,7 +621,7 @@ class UcxReceiver(_Service, Receiver):
 
     async def __aenter__(self) -> UcxReceiver:
         await self._open()
-        self.address = f"{K_ADDR_PREFIX}{_netns_id()}:{_b64(self._worker.address)}"
+        self.address = f"{K_ADDR_PREFIX}{netns_id()}:{b64(self._worker.address)}"
         self._listen(K_TAG_CTRL_RX, self._on_public)
         self._nursery.start_soon(self._sweeper)
         return self
@@ -859,7 +787,7 @@ class UcxReceiver(_Service, Receiver):
             self._finish(t, TransferState.DONE, None, None)
         elif timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
-        address = f"{self.address}#{_b64(lengths.astype('<i8').tobytes())}"
+        address = f"{self.address}#{b64(lengths.astype('<i8').tobytes())}"
         if t.total <= K_INLINE_MAX and all(isinstance(b, memoryview) for b in t.targets):
             address += "#i"  # host memory: the sender may send it inline (DATA)
         return Grant(tid, ranges.total, layer_ends, address)
@@ -1686,9 +1614,9 @@ class UcxSender(_Service, Sender):
         if not address.startswith(K_ADDR_PREFIX):
             raise LocalProtocolError(f"not a UCX address: {address[:40]!r}")
         self.peer = address.split("#", 1)[0]
-        peer_netns, self._peer_address = _parse_address(self.peer)
+        peer_netns, self._peer_address = parse_address(self.peer)
         super().__init__(
-            _tls_for_peer(tls, peer_netns),
+            tls_for_peer(tls, peer_netns),
             spin_us,
             secret,
             auth_timeout,
@@ -1952,7 +1880,7 @@ class UcxSender(_Service, Sender):
         """
         hit = self._lens_cache.get(lens)
         if hit is None:
-            lengths = np.frombuffer(_unb64(lens), "<i8").astype(np.int64)
+            lengths = np.frombuffer(unb64(lens), "<i8").astype(np.int64)
             if (lengths <= 0).any():
                 raise LocalProtocolError("the grant's piece list has empty pieces")
             bounds = np.concatenate(([0], np.cumsum(lengths)))
