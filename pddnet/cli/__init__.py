@@ -25,6 +25,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "demo": ("pddnet.demo", "run P, RLD and MD end to end on an emulated WAN"),
     "wan": ("pddnet.emu.cli", "bring an emulated WAN up or down, run in it, check it"),
+    "sim": ("pddnet.sim._cli", "simulate a cluster: baseline (all P->MD) against PDD"),
 }
 
 
