@@ -115,6 +115,7 @@ class _Out:
     nbytes: int
     started: float
     ahead: int = 0  # bytes queued ahead of it at the WAN sender when it started
+    keys: list[int] | None = None  # to MD: the prompt's chain keys (expected once landed)
 
 
 @dataclass
@@ -303,20 +304,26 @@ class PrefillEndpoint:
             return (name,)
         return tuple(peer for peer, r in self._roles.items() if r == role)
 
-    def _candidates(self, prompt: Any, nblocks: int, main: str | None) -> tuple[MainCandidate, ...]:
+    def _candidates(
+        self, prompt: Any, nblocks: int, main: str | None
+    ) -> tuple[tuple[MainCandidate, ...], list[int]]:
         """Each MD's delta (from the mirror of its cache: KV still in flight
-        to it is not there yet) and the bytes queued ahead of it at its sender."""
+        to it is not there yet) and the bytes queued ahead of it at its sender;
+        the prompt's chain keys."""
         mains = self._peers("main", main)
         if not mains:
             raise LocalProtocolError("no main endpoint connected")
         keys = block_hashes(prompt, self.pool.layout.block_size).tolist()  # probed per MD
+        now = trio.current_time()
         out = []
         for md in mains:
-            delta = (nblocks - self.mirrors[md].predict(keys)) * self.pool.layout.block_bytes
+            mirror = self.mirrors[md]
+            mirror.expire(now)
+            delta = (nblocks - mirror.predict(keys)) * self.pool.layout.block_bytes
             sender = self._senders[md]
             ahead = sender.bytes_ahead(delta) if isinstance(sender, WanSender) else 0
             out.append(MainCandidate(md, delta, ahead))
-        return tuple(out)
+        return tuple(out), keys
 
     async def submit(
         self,
@@ -381,7 +388,7 @@ class PrefillEndpoint:
                 f"{len(block_ids)} blocks cannot hold a {prompt_arr.size}-token prompt",
                 request_id=request_id,
             )
-        mains = self._candidates(prompt_arr, nblocks, main)
+        mains, keys = self._candidates(prompt_arr, nblocks, main)
         relays = tuple(RelayCandidate(r) for r in self._peers("relay", relay))
         now = trio.current_time()
         decision = self.router.decide(
@@ -453,8 +460,15 @@ class PrefillEndpoint:
                 )
                 for layer in sorted(req.layers):  # marked while the offer was out
                     transfer.mark_layer_ready(layer)
-                ahead = decision.bytes_ahead if dest == main_peer else 0
-                req.outs[dest] = out = _Out(dest, transfer, src.total, trio.current_time(), ahead)
+                to_md = dest == main_peer
+                req.outs[dest] = out = _Out(
+                    dest,
+                    transfer,
+                    src.total,
+                    trio.current_time(),
+                    decision.bytes_ahead if to_md else 0,
+                    keys if to_md else None,
+                )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._watch, req, out)
                 if req.follows and req.first_token is not None:
@@ -587,6 +601,10 @@ class PrefillEndpoint:
         error: PddnetError | None = None
         try:
             await out.transfer.wait()
+            mirror = self.mirrors.get(out.dest)
+            if out.keys is not None and mirror is not None:
+                # landed: MD caches these blocks when the request ends
+                mirror.expect(out.keys, trio.current_time())
             if self._roles.get(out.dest) == "main" and out.nbytes >= K_BANDWIDTH_SAMPLE_BYTES:
                 # Small transfers measure the RTT, not the bandwidth: only
                 # large ones update the router's estimate of that MD's link,

@@ -15,6 +15,15 @@ choose the route and size the transfer before the reply) wrong: if MD evicted
 blocks P counted on, the real delta is larger, and the accounting keeps both
 numbers (``overpredicted_blocks``) so the cost is visible.
 
+Blocks P shipped to MD and saw land are *expected* (:meth:`CacheMirror.expect`):
+MD caches a prompt's blocks when its request ends, and its insert event
+reaches P a one-way delay after that, while a session's next turn may already
+be routed (after a relayed turn MD's request ends a round trip with RLD after
+its last token). The prediction counts expected blocks as held until MD's
+insert or evict event for them arrives, or ``expect_s`` passes
+(:meth:`CacheMirror.expire`). Blocks still in flight to MD are not expected:
+they are not there yet.
+
 A gap (a ``seq`` skipped) or a new ``epoch`` (MD restarted) whose first
 event is not ``seq`` 1 sets :attr:`CacheMirror.needs_snapshot` (false while a
 snapshot is being collected); the driver then sends
@@ -25,6 +34,7 @@ effort), and those newer than the snapshot are replayed on top of it.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,16 +154,28 @@ class CacheMirror:
         algo: hash-chain algorithm (MD's).
         bytes_per_token: KV bytes per token (``KVLayout.kv_bytes_per_token``),
             for the byte accounting.
+        expect_s: how long blocks given to :meth:`expect` count as held
+            without MD's insert event.
     """
 
-    def __init__(self, block_size: int, *, algo: str = "xxh3_64", bytes_per_token: int = 0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        algo: str = "xxh3_64",
+        bytes_per_token: int = 0,
+        expect_s: float = 10.0,
+    ) -> None:
         block_hashes([], block_size, algo=algo)  # validates
         self.block_size = block_size
         self.algo = algo
         self.bytes_per_token = bytes_per_token
+        self.expect_s = expect_s
         self.epoch: int | None = None
         self.seq = 0
         self._keys: set[int] = set()
+        self._expected: dict[int, float] = {}  # key -> until when it counts as held
+        self._expiry: deque[tuple[float, list[int]]] = deque()
         self._needs_snapshot = False
         self._collect: tuple[int, int, int, set[int]] | None = None  # epoch, seq, next part, keys
         self._buffered: list[DrcInserted | DrcEvicted] = []
@@ -215,6 +237,8 @@ class CacheMirror:
             # An MD new to us, or restarted: what we knew is void. Unless this
             # is its very first event, the gap check below asks for a snapshot.
             self._keys.clear()
+            self._expected.clear()
+            self._expiry.clear()
             self.epoch, self.seq = ev.epoch, 0
         if ev.seq <= self.seq:
             return  # duplicate or already covered by a snapshot
@@ -226,6 +250,11 @@ class CacheMirror:
             self._keys.update(ev.keys)
         else:
             self._keys.difference_update(ev.keys)
+        if self._expected:  # MD's own word on these keys replaces the expectation
+            for k in ev.keys:
+                self._expected.pop(k, None)
+            if isinstance(ev, DrcEvicted):
+                self._unexpect_below(set(ev.keys))
         self._c["events_applied"] += 1
 
     def _apply_snapshot(self, snap: DrcSnapshot) -> None:
@@ -266,19 +295,53 @@ class CacheMirror:
         array: P routing across several MDs converts once and asks each mirror.
         """
         lo, hi = 0, len(keys)  # invariant: keys[:lo] present, keys[hi:] absent
-        have = self._keys
-        if hi == 0 or not have or int(keys[0]) not in have:
+        held, expected = self._keys, self._expected
+
+        def either(key: int) -> bool:
+            return key in held or key in expected
+
+        has = either if expected else held.__contains__
+        if hi == 0 or not has(int(keys[0])):
             return 0
-        if int(keys[hi - 1]) in have:
+        if has(int(keys[hi - 1])):
             return hi
         lo = 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if int(keys[mid]) in have:
+            if has(int(keys[mid])):
                 lo = mid + 1
             else:
                 hi = mid
         return lo
+
+    def expect(self, keys: npt.NDArray[np.uint64] | Sequence[int], now: float) -> None:
+        """P's transfer of a prompt's blocks (chain ``keys``) to MD landed:
+        count them as held until MD's event about them, or ``expect_s`` after ``now``."""
+        until = now + self.expect_s
+        chain = [int(k) for k in keys]
+        for k in chain:
+            if k not in self._keys:
+                self._expected[k] = until
+        self._expiry.append((until, chain))
+
+    def _unexpect_below(self, evicted: set[int]) -> None:
+        # MD evicted a block: the expected blocks after it in a chain are no
+        # use to a prompt (the prefix breaks there), so the union of what MD
+        # holds and what P expects stays prefix-closed, as predict assumes.
+        for until, chain in self._expiry:
+            cut = next((i for i, k in enumerate(chain) if k in evicted), None)
+            if cut is not None:
+                for k in chain[cut:]:
+                    if self._expected.get(k) == until:
+                        del self._expected[k]
+
+    def expire(self, now: float) -> None:
+        """Forget the expectations older than ``expect_s``."""
+        while self._expiry and self._expiry[0][0] <= now:
+            until, keys = self._expiry.popleft()
+            for k in keys:
+                if self._expected.get(k) == until:
+                    del self._expected[k]
 
     def plan(self, request_id: str, tokens: Any) -> tuple[DeltaPlan, DrcPlanRequest]:
         """Predict the delta for a prompt and build the request that confirms it.
