@@ -43,6 +43,7 @@ async def test_attack1_descriptor_flood_on_the_control_port() -> None:
     # zmq closes a connection that has not finished its handshake after 3 s
     # (old code: 30 s for a silent one, never for a zmq stranger)
     assert f["new_node_answered_s"] is not None and f["new_node_answered_s"] < 5.0, f
+    assert f["strangers_shed_s"] is not None and f["strangers_shed_s"] < 5.0, f
     assert f["fds"][2] <= f["fds"][0] + 4, f  # back to the baseline once they left
     assert r.honest_failed == 0, r
 
