@@ -71,6 +71,7 @@ def test_minimal_config_keeps_the_defaults(monkeypatch: pytest.MonkeyPatch) -> N
         ({"wan_options": {"tls": None}}, "['wan_options']['tls']: not a WanSender option"),
         ({"wan_options": {"secret": "x"}}, "['wan_options']['secret']: not a WanSender"),
         ({"wan_options": {"pacer": object()}}, "['wan_options']['pacer'] must be JSON-able"),
+        ({"layerwise": "yes"}, "['layerwise'] must be true or false"),
     ],
 )
 def test_bad_key_raises_naming_it(change: dict[str, Any], named: str) -> None:

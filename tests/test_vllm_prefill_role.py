@@ -9,12 +9,20 @@ blocks), and the
 user's token sink. The two processes exchange EndpointInfo blobs over pipes.
 
 For prompts of 1, 64 (two whole blocks), 100 and 200 tokens, on P->MD and on
-P->RLD->MD:
+P->RLD->MD, with the connector's two paths (``layerwise`` true: submitted
+when the last prefill chunk is scheduled, each layer sent from
+``save_kv_layer``, the first token following; false: the whole request from
+``request_finished``):
 
 * the user's stream (P's first token, then the decoders' tokens) equals vLLM's
   own greedy output from the same engine without pddnet, every position once;
 * a request whose blocks the child zeroes after the prefill and before the
-  transfer streams something else, so the decoders read P's real KV;
+  transfer (layer by layer: one layer, in ``save_kv_layer``, after the
+  forward wrote it) streams something else, so the decoders read P's real KV;
+* layer by layer, every layer of every request was marked ready during the
+  forward, before vLLM called ``request_finished`` (sampled); P prefills in
+  chunks of 96 tokens, so the connector follows the blocks a request gains
+  from chunk to chunk and sends them from the last chunk's forward;
 * afterwards every block is back: vLLM's free block count is its start value,
   RLD's pool is all free and MD's holds only its prefix cache.
 """
@@ -37,12 +45,23 @@ K_MODEL_ID = "tiny-llama-7"
 K_TOKENS = 40  # the user's stream, P's first token included
 K_PROMPT_LENS = (1, 64, 100, 200)
 K_DECODER_BLOCKS = 256
+K_CHUNK = 96  # P's max_num_batched_tokens
+K_ZERO_LAYER = 1  # layer by layer: the layer zeroed in flight
 ZERO_IDS: set[int] = set()  # in the child: pddnet ids whose KV is zeroed before the transfer
+MARKS: dict[int, list[float]] = {}  # in the child: pddnet id -> when save_kv_layer marked a layer
+FINISHED: dict[int, float] = {}  # in the child: pddnet id -> when request_finished ran
+CHUNKS: dict[int, int] = {}  # in the child, layer by layer: pddnet id -> prefill steps
 
 
 # ----------------------------------------------------------------- the P child
 def _child_connector() -> Any:
-    """PrefillKVConnector that zeroes the blocks of the requests in ZERO_IDS first."""
+    """PrefillKVConnector that zeroes the KV of the requests in ZERO_IDS before
+    it goes out (whole request: every block; layer by layer: layer
+    K_ZERO_LAYER), and notes when layers were marked and requests finished."""
+    import time
+
+    import torch
+
     from pddnet.integrations.vllm.connectors import PrefillKVConnector
 
     class ZeroingConnector(PrefillKVConnector):
@@ -55,10 +74,32 @@ def _child_connector() -> Any:
                     pool.write(ranges, bytes(ranges.total))
             super().start_load_kv(forward_context, **kwargs)
 
+        def save_kv_layer(
+            self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+        ) -> None:
+            for h in self._get_connector_metadata().streams:
+                MARKS.setdefault(h.request_id, []).append(time.perf_counter())
+                if h.request_id in ZERO_IDS and self._layers[layer_name] == K_ZERO_LAYER:
+                    kv_layer[torch.tensor(h.block_ids)] = 0  # after the forward wrote it
+            super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            for vid, p in self._prefilling.items():
+                if scheduler_output.num_scheduled_tokens.get(vid):
+                    rid = p.request.kv_transfer_params["pddnet"]["request_id"]
+                    CHUNKS[rid] = CHUNKS.get(rid, 0) + 1
+            return super().build_connector_meta(scheduler_output)
+
+        def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+            params = (request.kv_transfer_params or {}).get("pddnet")
+            if params is not None:
+                FINISHED[params["request_id"]] = time.perf_counter()
+            return super().request_finished(request, block_ids)
+
     return ZeroingConnector
 
 
-def _child(model: str, rfd: int, wfd: int) -> None:
+def _child(model: str, rfd: int, wfd: int, layerwise: bool) -> None:
     """P: a vLLM engine with the connector, driven over the pipes ``rfd`` / ``wfd``."""
     from pddnet.api import EndpointInfo
     from pddnet.integrations.vllm import apply_cpu_env, cpu_engine_kwargs, run_greedy
@@ -82,10 +123,24 @@ def _child(model: str, rfd: int, wfd: int) -> None:
         kv_connector="ZeroingConnector",
         kv_connector_module_path="__main__",  # this script: ZERO_IDS is its global
         kv_role="kv_producer",
-        kv_connector_extra_config={"name": "p", "secret": K_SECRET, "model_id": K_MODEL_ID},
+        kv_connector_extra_config={
+            "name": "p",
+            "secret": K_SECRET,
+            "model_id": K_MODEL_ID,
+            "layerwise": layerwise,
+        },
     )
     engine = vllm.LLMEngine.from_engine_args(
-        vllm.EngineArgs(**cpu_engine_kwargs(model, kv_transfer_config=kv))
+        vllm.EngineArgs(
+            # chunked prefill: the 100- and 200-token prompts take 2 and 3
+            # steps, so the connector follows a request's blocks across chunks
+            **cpu_engine_kwargs(
+                model,
+                kv_transfer_config=kv,
+                enable_chunked_prefill=True,
+                max_num_batched_tokens=K_CHUNK,
+            )
+        )
     )
     scheduler = engine.engine_core.engine_core.scheduler
     block_pool = scheduler.kv_cache_manager.block_pool
@@ -102,6 +157,7 @@ def _child(model: str, rfd: int, wfd: int) -> None:
     # connector leaves these requests alone
     oracle = run_greedy(engine, {str(i): p for i, p in enumerate(job["prompts"])}, K_TOKENS)
     want = {k: [t for s in steps for t in s] for k, steps in oracle.items()}
+    assert engine.reset_prefix_cache()  # cold prompts: each prefill takes its chunks
     ZERO_IDS.update(r["request_id"] for r in job["requests"] if r["zero"])
     params = {
         str(r["request_id"]): {
@@ -131,6 +187,16 @@ def _child(model: str, rfd: int, wfd: int) -> None:
             "scheduler": scheduler.connector.statistics().__repr__(),
             "worker": worker.statistics().__repr__(),
             "steps_until_released": steps,
+            "marks": {str(rid): len(t) for rid, t in MARKS.items()},
+            "chunks": {str(rid): n for rid, n in CHUNKS.items()},
+            "marked_before_finished": {
+                str(rid): max(t) < FINISHED[rid] for rid, t in MARKS.items()
+            },
+            "stats": {
+                "streamed": scheduler.connector.statistics().streamed,
+                "layers_marked": worker.statistics().layers_marked,
+                "layers_unreported": worker.statistics().layers_unreported,
+            },
         }
     )
     receive()  # the test is done with P's endpoint
@@ -145,7 +211,8 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.slow  # a vLLM engine process: ~20-60 s on 2 cores
-async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path, layerwise: bool) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
     import trio
 
@@ -178,7 +245,7 @@ async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
     to_child, from_test = os.pipe()
     from_child, to_test = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, __file__, str(model), str(to_child), str(to_test)],
+        [sys.executable, __file__, str(model), str(to_child), str(to_test), str(int(layerwise))],
         pass_fds=(to_child, to_test),
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "p.log", "w"),  # noqa: SIM115 - the child's whole life
@@ -247,6 +314,24 @@ async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
                     assert stream != want, r  # the decoders read P's KV
                 else:
                     assert stream == want, (r, stream, want)
+            stats = report["stats"]
+            if layerwise:  # every layer of every request went out from save_kv_layer
+                assert stats["streamed"] == len(requests), stats
+                assert report["marks"] == {
+                    str(r["request_id"]): config.num_layers for r in requests
+                }, report["marks"]
+                assert all(report["marked_before_finished"].values()), report
+                assert stats["layers_marked"] == config.num_layers * len(requests), stats
+                assert stats["layers_unreported"] == 0, stats
+                for i, prompt in enumerate(prompts):
+                    # the first request of a prompt takes ceil(len / K_CHUNK)
+                    # steps at least (a second one may hit P's prefix cache)
+                    chunks = max(
+                        report["chunks"][str(r["request_id"])] for r in requests if r["prompt"] == i
+                    )
+                    assert chunks >= -(-len(prompt) // K_CHUNK), (i, len(prompt), chunks)
+            else:
+                assert stats["streamed"] == 0 and report["marks"] == {}, report
             free = report["free"]
             assert free["held"] < free["start"] and free["end"] == free["start"], free
             with trio.fail_after(10):
@@ -265,4 +350,4 @@ async def test_vllm_prefill_feeds_pddnet_decoders(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1")

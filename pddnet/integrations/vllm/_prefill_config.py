@@ -49,6 +49,13 @@ def _positive(where: str, value: Any, *, zero: bool = False) -> float:
     return float(value)
 
 
+def _bool(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = extra.get(name, default)
+    if not isinstance(value, bool):
+        raise LocalProtocolError(f"{_key(name)} must be true or false, not {value!r}")
+    return value
+
+
 def _number(extra: Mapping[str, Any], name: str) -> float | None:
     return _positive(_key(name), extra[name]) if name in extra else None
 
@@ -134,7 +141,11 @@ class PrefillConnectorConfig:
       (:class:`~pddnet.route.LinkEstimate`; the router's default if absent);
     * ``wan_options``: :class:`~pddnet.transport.wan.WanSender` keyword
       arguments for each sender to MD, e.g. ``{"streams": 4}``; JSON values
-      only (``secret`` comes from the control plane, ``tls`` can't travel).
+      only (``secret`` comes from the control plane, ``tls`` can't travel);
+    * ``layerwise`` (default ``true``): submit when vLLM schedules the
+      prompt's last prefill chunk and send each layer as its ``save_kv_layer``
+      fires, the first token following once sampled; ``false`` submits the
+      whole request from ``request_finished``.
 
     Raises :class:`~pddnet.LocalProtocolError` naming the first bad key.
     """
@@ -150,6 +161,7 @@ class PrefillConnectorConfig:
     policy: RoutePolicy = field(default_factory=RoutePolicy)
     link: LinkEstimate | None = None
     wan_options: dict[str, Any] = field(default_factory=dict)
+    layerwise: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> PrefillConnectorConfig:
@@ -173,6 +185,7 @@ class PrefillConnectorConfig:
             policy=_policy(extra),
             link=_link(extra),
             wan_options=_wan_options(extra),
+            layerwise=_bool(extra, "layerwise", True),
         )
 
     def open_endpoint(self, pool: KVPool) -> PrefillEndpoint:
