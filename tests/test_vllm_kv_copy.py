@@ -169,5 +169,34 @@ def _kv(key: str, tokens: int, is_async: bool) -> dict[str, Any]:
     return {"pddnet_key": key, "pddnet_tokens": tokens, "pddnet_async": is_async}
 
 
+def test_block_copier_reused_across_loads_copies_the_right_bytes() -> None:
+    """The decoder connector's load (a ``BlockCopier`` built once in
+    ``register_kv_caches``, then one call per load), on vLLM CPU's layout:
+    every destination block holds its source block's bytes after each load,
+    and nothing else changes. No vLLM needed."""
+    from pddnet.integrations.vllm import vllm_cpu_layout
+    from pddnet.integrations.vllm._staging import BlockCopier
+    from pddnet.kv import KVPool
+
+    layout = vllm_cpu_layout(2, 2, 64, "float32")
+    rng = np.random.default_rng(5)
+    staging, cache = KVPool.allocate(layout, 16), KVPool.allocate(layout, 64)
+    staging.buffers[0][...] = rng.standard_normal(staging.buffers[0].shape)
+    want = cache.buffers[0].copy()
+    copy = BlockCopier(staging, cache)
+    loads: list[tuple[Any, Any]] = [
+        ((3,), (40,)),  # one block
+        ((0, 1, 2, 3), (10, 11, 12, 13)),  # one run both sides
+        ((4, 5, 6), (63, 7, 30)),  # scattered destination
+        ((9, 2, 10), (1, 2, 3)),  # two source runs
+        (np.array([11, 12]), np.array([20, 21], dtype=np.int32)),  # arrays
+    ]
+    for src, dst in loads:
+        assert copy(src, dst) == len(src) * layout.block_bytes
+        for s, d in zip(src, dst, strict=True):
+            want[:, int(d)] = staging.buffers[0][:, int(s)]
+        np.testing.assert_array_equal(cache.buffers[0], want)
+
+
 if __name__ == "__main__":
     _child(sys.argv[1])

@@ -1,10 +1,14 @@
 """The vLLM connector's own cost: its KV load rate and its scheduler-side time.
 
-**Load rate.** :func:`~pddnet.integrations.vllm.copy_blocks` (what
-``DecodeKVConnector.start_load_kv`` runs to move staged blocks into the
-blocks vLLM allocated) against a plain NumPy copy of the same bytes: one
-``np.copyto`` of one contiguous span of the staging pool into one contiguous
-span of the destination pool (the memcpy ceiling). Both pools have vLLM CPU's
+**Load rate.** :func:`~pddnet.integrations.vllm.copy_blocks`, as
+``DecodeKVConnector.start_load_kv`` runs it to move staged blocks into the
+blocks vLLM allocated (a ``BlockCopier`` built once for the two pools),
+against a plain NumPy copy of the same bytes: one ``np.copyto`` of one
+contiguous span of the staging pool into one contiguous span of the
+destination pool (the memcpy ceiling). ``same_blocks_ratio_vs_numpy_copy``
+times the bare NumPy assignment of exactly the blocks ``copy_blocks`` copies
+(one span per layer per block, scattered or not) against that ceiling: what
+the destination pattern itself costs, with no Python around it. Both pools have vLLM CPU's
 layout (fused ``'hptd'``, K stored ``[d, t]``): the tiny model's (2 layers, 2
 KV heads, head dim 64, float32, 32-token blocks: 64 KiB a block) in a staging
 pool of 1024 blocks and a destination of 1 GiB (vLLM's cache), and a 7B-like
@@ -32,17 +36,26 @@ frees the blocks, in an untimed drain), against the same requests at
 ``max_tokens=1`` without a connector; the decoder's (and the control's) run
 ``K_DECODE_TOKENS`` tokens and name 0 staged tokens (the connector is
 consulted for every request, nothing is loaded, so both engines compute the
-same tokens). The four scheduler hooks (``get_num_new_matched_tokens``,
-``update_state_after_alloc``, ``build_connector_meta``, ``request_finished``)
-are also timed directly inside those runs (a ``perf_counter`` wrapper, whose
-own cost is counted against the connector), and once more for the decoder
-with real loads (every prompt token staged).
+same tokens). Each engine runs ``--omp-threads`` torch threads (default 1:
+with vLLM's one per core, the engines' spinning OpenMP threads turn wall time
+into a measure of contention on a small shared machine), and each round
+reports its process CPU time and ``engine.step()`` count beside the wall time.
+Every pair runs prompts that neither engine has seen: the no-connector engine
+runs in every pair, and before it hit its own prefix cache on the second and
+third pair of a round, which made each connector look ~0.8-1.4 ms per request
+slower (docs/benchmarks.md). The four scheduler hooks
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+``build_connector_meta``, ``request_finished``) are also timed directly
+inside those runs (a ``perf_counter`` wrapper, whose own cost is counted
+against the connector), and once more for the decoder with real loads
+(every prompt token staged).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,7 +66,8 @@ from typing import Any
 
 import numpy as np
 
-from ..integrations.vllm import copy_blocks, vllm_cpu_layout
+from ..integrations.vllm import vllm_cpu_layout
+from ..integrations.vllm._staging import BlockCopier
 from ..kv import KVPool
 from ._common import add_common_arguments, print_table, pyplot, write_report
 
@@ -87,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-engine", action="store_true", help="load rate only (no vLLM needed)"
     )
+    parser.add_argument(
+        "--omp-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of each engine (default 1; 0: vLLM's own, one per core)",
+    )
 
 
 # ---------------------------------------------------------------- load rate
@@ -117,23 +137,36 @@ def load_rate(name: str, sizes: tuple[int, ...], rounds: int, quick: bool) -> li
     s_flat, d_flat = (p.buffers[0].reshape(-1).view(np.uint8) for p in (staging, dst))
     rng = np.random.default_rng(0)
 
+    copier = BlockCopier(staging, dst)  # as DecodeKVConnector.register_kv_caches builds it
+
     def ours(src: list[int], ids: list[int]) -> None:
-        copy_blocks(staging, dst, src, ids)
+        copier(src, ids)
 
     def plain(s_span: Any, d_span: Any) -> None:
         np.copyto(d_span, s_span)
+
+    s_buf, d_buf = staging.buffers[0], dst.buffers[0]
+
+    def same(start: int, ids: list[int]) -> None:
+        # one NumPy assignment of exactly the blocks copy_blocks copies (its
+        # core without the call): what those spans cost against one span
+        n = len(ids)
+        if ids == list(range(ids[0], ids[0] + n)):
+            d_buf[:, ids[0] : ids[0] + n] = s_buf[:, start : start + n]
+        else:
+            d_buf[:, ids] = s_buf[:, start : start + n]
 
     rows = []
     for n in sizes:
         nbytes = n * bb
         reps = _reps(nbytes, quick)
         for pattern in K_PATTERNS:
-            mine, numpy_, ratios = [], [], []
+            mine, numpy_, ratios, same_t = [], [], [], []
             for r in range(rounds):
                 start = int(rng.integers(0, staging.num_blocks - n + 1))
                 src = list(range(start, start + n))  # staged blocks: one run
                 s0 = min(start * bb, s_flat.size - nbytes)
-                work: dict[Any, list[tuple[Any, ...]]] = {ours: [], plain: []}
+                work: dict[Any, list[tuple[Any, ...]]] = {ours: [], plain: [], same: []}
                 for _ in range(reps):  # a fresh place in the destination each copy
                     if pattern == "consecutive":
                         first = int(rng.integers(1, n_dst - n + 1))
@@ -141,13 +174,13 @@ def load_rate(name: str, sizes: tuple[int, ...], rounds: int, quick: bool) -> li
                     else:
                         ids = (rng.permutation(n_dst - 1)[:n] + 1).tolist()
                     work[ours].append((src, ids))
+                    work[same].append((start, ids))
                     off = int(rng.integers(0, n_dst - n + 1)) * bb
                     work[plain].append((s_flat[s0 : s0 + nbytes], d_flat[off : off + nbytes]))
-                t = {
-                    f: _median_s(f, work[f])
-                    for f in ((ours, plain) if r % 2 == 0 else (plain, ours))
-                }
+                order = (ours, plain, same) if r % 2 == 0 else (same, plain, ours)
+                t = {f: _median_s(f, work[f]) for f in order}
                 mine.append(t[ours])
+                same_t.append(t[same])
                 numpy_.append(t[plain])
                 ratios.append(t[plain] / t[ours])
             rows.append(
@@ -161,6 +194,9 @@ def load_rate(name: str, sizes: tuple[int, ...], rounds: int, quick: bool) -> li
                     "copy_blocks_us": float(np.median(mine)) * 1e6,
                     "load_ratio_vs_numpy_copy": float(np.median(ratios)),
                     "load_ratio_worst": float(min(ratios)),
+                    # the same blocks in one NumPy statement, against one span
+                    "same_blocks_ratio_vs_numpy_copy": float(np.median(numpy_))
+                    / float(np.median(same_t)),
                     "meets_target": bool(np.median(ratios) >= K_TARGET),
                     "rounds": rounds,
                     "reps": reps,
@@ -204,6 +240,14 @@ def _child() -> None:
     if conn is not None:
         for name in K_HOOKS:
             setattr(conn, name, _timed(getattr(conn, name), name, hook_s))
+    steps = [0]  # engine.step() calls of the timed run
+    step = engine.step
+
+    def counted_step() -> Any:
+        steps[0] += 1
+        return step()
+
+    engine.step = counted_step
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM may print: our lines go to the real stdout only
     for batch, line in enumerate(sys.stdin, 1):
@@ -224,12 +268,15 @@ def _child() -> None:
                 params[rid] = {"pddnet": {"blocks": blocks, "tokens": staged}}
         for k in hook_s:
             hook_s[k] = 0.0
-        t0 = time.perf_counter()
+        steps[0] = 0
+        t0, c0 = time.perf_counter(), time.process_time()
         run_greedy(engine, prompts, max_tokens, kv_transfer_params=params)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n_steps = steps[0]
         while scheduler.has_requests():  # P: failed submits free the held blocks
             engine.step()
-        out.write("@@" + json.dumps({"elapsed_s": elapsed, "hook_s": hook_s}) + "\n")
+        reply = {"elapsed_s": elapsed, "cpu_s": cpu, "steps": n_steps, "hook_s": hook_s}
+        out.write("@@" + json.dumps(reply) + "\n")
         out.flush()
 
 
@@ -245,7 +292,7 @@ def _timed(fn: Callable[..., Any], name: str, acc: dict[str, float]) -> Callable
 
 
 class _Engine:
-    def __init__(self, mode: str, model: str, staging: str) -> None:
+    def __init__(self, mode: str, model: str, staging: str, omp: int) -> None:
         code = "from pddnet.bench.vllm import _child; _child()"
         self.mode = mode
         self.proc = subprocess.Popen(
@@ -253,6 +300,7 @@ class _Engine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **({"OMP_NUM_THREADS": str(omp)} if omp else {})},
         )
 
     def run(self, requests: int, seed: int, max_tokens: int, load: bool = False) -> dict[str, Any]:
@@ -272,47 +320,65 @@ class _Engine:
         self.proc.wait(timeout=60)
 
 
-def scheduler_overhead(rounds: int, requests: int) -> dict[str, Any]:
-    """Paired engine rounds: none, P, decoder; per-request overhead and hook times."""
+def scheduler_overhead(rounds: int, requests: int, omp_threads: int = 1) -> dict[str, Any]:
+    """Paired engine rounds: none, P, decoder; per-request overhead and hook times.
+
+    Each engine runs ``omp_threads`` torch (OpenMP) threads (0: vLLM's own
+    choice, one per core). With one per core, five engines' spinning OpenMP
+    threads on a small shared machine make wall time measure contention: one
+    engine a round ran 3 ms/request with one thread and 25 with two on 2
+    loaded cores (docs/benchmarks.md)."""
     from ..integrations.vllm import build_tiny_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="pddnet-bench-vllm-"))
     model = str(build_tiny_llama(tmp / "model"))
-    engines = {m: _Engine(m, model, str(tmp / f"staging-{m}")) for m in K_ENGINES}
+    engines = {m: _Engine(m, model, str(tmp / f"staging-{m}"), omp_threads) for m in K_ENGINES}
     try:
         # each connector against vLLM without one on the same requests: P's
         # finish after their first token, the decoder's run K_DECODE_TOKENS
         tokens = {"control": K_DECODE_TOKENS, "prefill": 1, "decode": K_DECODE_TOKENS}
         for m, e in engines.items():  # warm-up, untimed (also waits for the start-ups)
-            e.run(requests, 10_000, tokens.get(m, K_DECODE_TOKENS))
+            e.run(requests, 1_000_000, tokens.get(m, K_DECODE_TOKENS))
         res: dict[str, list[dict[str, Any]]] = {m: [] for m in K_ENGINES}
-        base: dict[str, list[float]] = {m: [] for m in tokens}
+        base: dict[str, list[dict[str, Any]]] = {m: [] for m in tokens}
         for r in range(rounds):
-            for m, n in tokens.items():  # paired, the order alternating
+            for k, (m, n) in enumerate(tokens.items()):  # paired, the order alternating
                 pair = ("none", m) if r % 2 == 0 else (m, "none")
-                got = {x: engines[x].run(requests, r, n) for x in pair}
+                # new prompts for every pair: the no-connector engine runs in
+                # each pair, and a prompt it had seen would hit its prefix cache
+                seed = len(tokens) * r + k
+                got = {x: engines[x].run(requests, seed, n) for x in pair}
                 res[m].append(got[m])
-                base[m].append(got["none"]["elapsed_s"])
-        loads = [
-            engines["decode"].run(requests, r, K_DECODE_TOKENS, load=True) for r in range(rounds)
+                base[m].append(got["none"])
+        loads = [  # prompts the decoder has not seen: its prefix cache misses
+            engines["decode"].run(requests, 1_000_001 + r, K_DECODE_TOKENS, load=True)
+            for r in range(rounds)
         ]
     finally:
         for e in engines.values():
             e.close()
-    out: dict[str, Any] = {"requests": requests, "rounds": rounds}
+    out: dict[str, Any] = {"requests": requests, "rounds": rounds, "omp_threads": omp_threads}
     for m in tokens:
         el = [x["elapsed_s"] for x in res[m]]
-        over = [(a - b) / requests * 1e6 for a, b in zip(el, base[m], strict=True)]
+        none_el = [x["elapsed_s"] for x in base[m]]
+        over = [(a - b) / requests * 1e6 for a, b in zip(el, none_el, strict=True)]
+        cpu_over = [
+            (a["cpu_s"] - b["cpu_s"]) / requests * 1e6 for a, b in zip(res[m], base[m], strict=True)
+        ]
         hooks = [sum(x["hook_s"].values()) / requests * 1e6 for x in res[m]]
         out[m] = {
             "per_request_us": float(np.median(el)) / requests * 1e6,
-            "none_per_request_us": float(np.median(base[m])) / requests * 1e6,
+            "none_per_request_us": float(np.median(none_el)) / requests * 1e6,
             "overhead_us_per_request": float(np.median(over)),
             "overhead_us_rounds": over,
             "overhead_us_iqr": [float(x) for x in np.percentile(over, [25, 75])],
             "overhead_fraction": float(
-                np.median([(a - b) / b for a, b in zip(el, base[m], strict=True)])
+                np.median([(a - b) / b for a, b in zip(el, none_el, strict=True)])
             ),
+            "cpu_overhead_us_per_request": float(np.median(cpu_over)),
+            "cpu_overhead_us_iqr": [float(x) for x in np.percentile(cpu_over, [25, 75])],
+            "steps": [x["steps"] for x in res[m]][-1],
+            "none_steps": [x["steps"] for x in base[m]][-1],
             "hooks_us_per_request": float(np.median(hooks)),
             "hooks_us_worst": float(max(hooks)),
             "hooks_fraction_of_step_time": float(np.median(hooks))
@@ -352,7 +418,7 @@ def main(args: argparse.Namespace) -> int:
     sched: dict[str, Any] | None = None
     if not args.skip_engine:
         engine_rounds = args.engine_rounds or (15 if args.quick else 31)
-        sched = scheduler_overhead(engine_rounds, args.requests)
+        sched = scheduler_overhead(engine_rounds, args.requests, args.omp_threads)
         print_table(
             [
                 {
@@ -362,12 +428,15 @@ def main(args: argparse.Namespace) -> int:
                     "overhead_us": sched[m]["overhead_us_per_request"],
                     "overhead_frac": sched[m]["overhead_fraction"],
                     "overhead_iqr_us": "{:.0f}..{:.0f}".format(*sched[m]["overhead_us_iqr"]),
+                    "cpu_overhead_us": sched[m]["cpu_overhead_us_per_request"],
+                    "steps": f"{sched[m]['steps']} / {sched[m]['none_steps']}",
                     "hooks_us": sched[m]["hooks_us_per_request"],
                     "hooks_frac": sched[m]["hooks_fraction_of_step_time"],
                 }
                 for m in ("control", "prefill", "decode")
             ],
-            title=f"\nscheduler side, {args.requests} requests per round, {engine_rounds} rounds",
+            title=f"\nscheduler side, {args.requests} requests per round, {engine_rounds} rounds,"
+            f" OMP_NUM_THREADS {args.omp_threads or 'unset'}",
         )
         print(f"decoder with real loads: hooks {sched['decode_with_loads']}")
         for m in ("control", "prefill", "decode"):

@@ -16,7 +16,8 @@ the first ``n`` tokens' KV is in those staged blocks.
    to the staged blocks by position (block ``j`` holds tokens ``[32j, 32j+32)``
    on both sides), go to the worker side in ``build_connector_meta``.
 3. Worker side, ``start_load_kv`` (before the step's forward pass, as vLLM
-   runs synchronous loads): copy them with ``copy_blocks`` (fused pools: one
+   runs synchronous loads): copy them with a ``BlockCopier`` (``copy_blocks``
+   between the two pools, checked once in ``register_kv_caches``; fused pools: one
    assignment over all layers per run of consecutive source blocks, an index
    array for scattered destinations). vLLM's forward pass then computes every
    token past the load (MD's recompute of RLD's eager tokens is that extend),
@@ -45,7 +46,7 @@ from ..._errors import LocalProtocolError
 from ..._optional import require
 from ...kv import KVLayout, KVPool
 from ._kv import kv_pool_from_vllm
-from ._staging import copy_blocks, open_staging
+from ._staging import BlockCopier, open_staging
 
 __all__ = ["DecodeConnectorStatistics", "DecodeKVConnector"]
 
@@ -105,6 +106,7 @@ class DecodeKVConnector(_v1.KVConnectorBase_V1):
         # worker side
         self.staging: KVPool | None = None
         self.cache: KVPool | None = None
+        self._copy: BlockCopier | None = None
         self._stats: dict[str, Any] = dict.fromkeys(DecodeConnectorStatistics.__slots__, 0)
 
     def statistics(self) -> DecodeConnectorStatistics:
@@ -172,17 +174,18 @@ class DecodeKVConnector(_v1.KVConnectorBase_V1):
             json.dumps({"layout": layout.to_dict(), "num_blocks": self._staging_blocks})
         )
         self.staging = open_staging(self._path)
+        self._copy = BlockCopier(self.staging, self.cache)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Copy each of this step's loads from the staging pool into vLLM's blocks."""
         loads = self._get_connector_metadata().loads
         if not loads:
             return
-        if self.staging is None or self.cache is None:
+        if self._copy is None:
             raise LocalProtocolError("DecodeKVConnector: no KV cache was registered")
         for load in loads:
             started = time.perf_counter()
-            n = copy_blocks(self.staging, self.cache, load.src, load.dst)
+            n = self._copy(load.src, load.dst)
             s = self._stats
             s["load_s"] += time.perf_counter() - started
             s["loads"] += 1
