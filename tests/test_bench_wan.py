@@ -124,6 +124,20 @@ def test_paired_rounds_alternate_and_are_summarised(tmp_path: Path) -> None:
     if s["rounds"]:
         assert s["ratio_vs_iperf3_min"] <= s["ratio_vs_iperf3"]
         assert s["ratio_vs_iperf3"] > 0.1
+        # CPU per GB, both sides, beside the goodput ratio: median and worst round
+        assert s["cpu_per_gb_ratio_vs_iperf3_max"] >= s["cpu_per_gb_ratio_vs_iperf3"] > 0.1
+        assert len(s["cpu_per_gb_ratio_vs_iperf3_rounds"]) == s["rounds"]
+    for rec in paired["log"]:
+        ip = rec["iperf3"]
+        # iperf3's own report of its processes' CPU over the test, checked against
+        # each process's whole life (wait4): never more than that
+        assert 0 < ip["cpu_tx"] <= ip["cpu_tx_proc"] and 0 < ip["cpu_rx"] <= ip["cpu_rx_proc"]
+        for who in rec["order"]:
+            assert 0 <= rec[who]["cpu_tx_sys"] <= rec[who]["cpu_tx"]
+            assert 0 <= rec[who]["cpu_rx_sys"] <= rec[who]["cpu_rx"]
+    row = next(r for r in rep["rows"] if r["sender"] == "pddnet x8")
+    assert row["cpu_s_per_gb"] > 0 and 0 < row["cpu_sys_share"] < 1
+    assert row["cpu_tx_s_per_gb"] > 0 and row["cpu_rx_s_per_gb"] > 0
 
 
 def test_round_order_alternates() -> None:
@@ -157,6 +171,32 @@ def test_paired_summary_without_iperf3_has_no_ratio() -> None:
     out = wan.paired_summary([{"pddnet": 0.96, "iperf3": None, "fault": None}] * 3)
     assert out["rounds"] == 0 and out["rounds_discarded"] == 0
     assert out["ratio_vs_iperf3"] is None and out["ratio_vs_iperf3_min"] is None
+    assert out["cpu_per_gb_ratio_vs_iperf3"] is None
+
+
+def test_paired_summary_cpu_per_gb_ratio_median_and_worst() -> None:
+    out = wan.paired_summary(
+        [
+            {"pddnet": 0.95, "iperf3": 0.95, "pddnet_cpu": 1.2, "iperf3_cpu": 0.8, "fault": None},
+            {"pddnet": 0.95, "iperf3": 0.95, "pddnet_cpu": 2.4, "iperf3_cpu": 0.8, "fault": None},
+            # a spoilt round counts for neither ratio
+            {"pddnet": 0.95, "iperf3": 0.5, "pddnet_cpu": 9.0, "iperf3_cpu": 0.8, "fault": "x"},
+            {"pddnet": 0.95, "iperf3": 0.95, "pddnet_cpu": 1.0, "iperf3_cpu": 0.5, "fault": None},
+        ]
+    )
+    assert out["cpu_per_gb_ratio_vs_iperf3_rounds"] == pytest.approx([1.5, 3.0, 2.0])
+    assert out["cpu_per_gb_ratio_vs_iperf3"] == pytest.approx(2.0)  # the median
+    assert out["cpu_per_gb_ratio_vs_iperf3_max"] == pytest.approx(3.0)  # the worst
+
+
+def test_cpu_per_gb_counts_both_sides() -> None:
+    run = {"bytes": 5e8, "cpu_tx": 0.3, "cpu_rx": 0.2, "seconds": 4.0, "retrans": 0}
+    assert wan.cpu_per_gb(run) == pytest.approx(1.0)
+    assert wan.cpu_per_gb(None) is None
+    row = wan._row("x", "l", 10**9, [{**run, "cpu_tx_sys": 0.1, "cpu_rx_sys": 0.15}])
+    assert row["cpu_tx_s_per_gb"] == pytest.approx(0.6)
+    assert row["cpu_rx_s_per_gb"] == pytest.approx(0.4)
+    assert row["cpu_sys_share"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(

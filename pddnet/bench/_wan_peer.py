@@ -32,23 +32,31 @@ _ACK = struct.Struct("<QQ")
 _CHRONO = struct.Struct("<QQQ")
 
 
-def raw_rx_cpu(host: str, port: int) -> tuple[float, float]:
-    """CPU seconds the plain-TCP receiver process has used so far, and seconds it
-    waited for a CPU (:func:`run_delay`)."""
+def raw_rx_cpu(host: str, port: int) -> tuple[float, float, float]:
+    """CPU seconds the plain-TCP receiver process has used so far, of those in the
+    kernel, and seconds it waited for a CPU (:func:`run_delay`)."""
     with socket.create_connection((host, port)) as s:
         s.sendall(K_CPU_QUERY.to_bytes(8, "little") + bytes(8))
         data = b""
         while chunk := s.recv(4096):
             data += chunk
     rep = json.loads(data)
-    return float(rep["cpu"]), float(rep["wait"])
+    return float(rep["cpu"]), float(rep["sys"]), float(rep["wait"])
 
 
-def _cpu() -> float:
+def cpu_times() -> tuple[float, float]:
+    """CPU seconds this process (all its threads) has used: the total, and of it
+    the time in the kernel."""
     # getrusage has microsecond resolution; os.times() counts 10 ms ticks, too
     # coarse for a 0.1 s loopback run
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, r.ru_stime
+
+
+def _cpu_report() -> dict[str, float]:
+    """What a receiver answers a CPU query with."""
+    cpu, sys_s = cpu_times()
+    return {"cpu": cpu, "sys": sys_s, "wait": run_delay()}
 
 
 def run_delay(pid: int | str = "self") -> float:
@@ -131,7 +139,7 @@ def raw_rx(port: int, max_bytes: int) -> None:
                 head += part
             off, n = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
             if off == K_CPU_QUERY:
-                conn.sendall(json.dumps({"cpu": _cpu(), "wait": run_delay()}).encode())
+                conn.sendall(json.dumps(_cpu_report()).encode())
                 return
             mv = memoryview(dst.data)[off : off + n]
             got = 0
@@ -167,8 +175,8 @@ def raw_send(host: str, port: int, nbytes: int, streams: int, congestion: str) -
     rcvbuf = [[0, 0] for _ in socks]
     retrans0 = sum(_retrans(s) for s in socks)
     tcp0 = [(s, tcp_time(s)) for s in socks]
-    rx_cpu0, rx_wait0 = raw_rx_cpu(host, port)
-    cpu0, wait0, t0 = _cpu(), run_delay(), time.monotonic()
+    rx_cpu0, rx_sys0, rx_wait0 = raw_rx_cpu(host, port)
+    (cpu0, sys0), wait0, t0 = cpu_times(), run_delay(), time.monotonic()
 
     failed: list[BaseException] = []
 
@@ -201,13 +209,15 @@ def raw_send(host: str, port: int, nbytes: int, streams: int, congestion: str) -
     tcp = _tcp_time_spent(socks, tcp0)
     for s in socks:
         s.close()
-    cpu_tx, wait_tx = _cpu() - cpu0, run_delay() - wait0
-    rx_cpu1, rx_wait1 = raw_rx_cpu(host, port)
+    (cpu1, sys1), wait_tx = cpu_times(), run_delay() - wait0
+    rx_cpu1, rx_sys1, rx_wait1 = raw_rx_cpu(host, port)
     return {
         "bytes": nbytes,
         "seconds": seconds,
-        "cpu_tx": cpu_tx,
+        "cpu_tx": cpu1 - cpu0,
         "cpu_rx": rx_cpu1 - rx_cpu0,
+        "cpu_tx_sys": sys1 - sys0,
+        "cpu_rx_sys": rx_sys1 - rx_sys0,
         "cpu_wait": {"sender": wait_tx, "receiver": rx_wait1 - rx_wait0},
         "retrans": retrans,
         "sndbuf": sndbuf,
@@ -263,7 +273,7 @@ def pdd_rx(port: int, max_chunk: int = 16 << 20, tls_dir: str | None = None) -> 
                         line, buf = buf.split(b"\n", 1)
                         req = json.loads(line)
                         if req["op"] == "cpu":
-                            rep: dict[str, Any] = {"cpu": _cpu(), "wait": run_delay()}
+                            rep: dict[str, Any] = _cpu_report()
                         else:
                             grants = []
                             for n in req["sizes"]:
@@ -357,7 +367,7 @@ def pdd_send(
                     (st.sock, tcp_time(st.sock) if st.sock is not None else None)
                     for st in tx._streams[: tx._nbulk]
                 ]
-                cpu0, wait0, t0 = _cpu(), run_delay(), trio.current_time()
+                (cpu0, sys0), wait0, t0 = cpu_times(), run_delay(), trio.current_time()
                 done: list[float] = []
 
                 async def one_small(tid_s: int, delay: float, done: list[float] = done) -> None:
@@ -371,15 +381,17 @@ def pdd_send(
                         n.start_soon(one_small, tid_s, small_delay + i * small_interval)
                     await tx.send(Grant(tid, total), [src], ranges, priority=0)
                     seconds = trio.current_time() - t0
-                cpu_tx, wait_tx = _cpu() - cpu0, run_delay() - wait0
+                (cpu1, sys1), wait_tx = cpu_times(), run_delay() - wait0
                 rx1 = gc.ask({"op": "cpu"})
                 tcp = _tcp_time_spent([st.sock for st in tx._streams[: tx._nbulk]], tcp0)
                 st = tx.statistics()
                 out["runs"].append(
                     {
                         "seconds": seconds,
-                        "cpu_tx": cpu_tx,
+                        "cpu_tx": cpu1 - cpu0,
                         "cpu_rx": rx1["cpu"] - rx0["cpu"],
+                        "cpu_tx_sys": sys1 - sys0,
+                        "cpu_rx_sys": rx1["sys"] - rx0["sys"],
                         "cpu_wait": {"sender": wait_tx, "receiver": rx1["wait"] - rx0["wait"]},
                         "retrans": st.bytes_retrans - retrans0,
                         "resent": st.bytes_resent - resent0,

@@ -180,23 +180,38 @@ def _gbps(nbytes: float, seconds: float) -> float:
 
 
 def _row(name: str, link: str, nbytes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One sender's row: medians over ``runs`` (each of ``bytes``, default ``nbytes``)."""
+    """One sender's row: medians over ``runs`` (each of ``bytes``, default ``nbytes``).
+
+    CPU seconds per GB come per side (``cpu_tx_s_per_gb``: the sending process,
+    ``cpu_rx_s_per_gb``: the receiving one) and together (``cpu_s_per_gb``, the
+    median of each run's sum), with the kernel's share of the sum (``cpu_sys_share``)
+    where the run measured it.
+    """
     size = [float(r.get("bytes", nbytes)) for r in runs]
     extra = {"chunk_size": runs[0]["chunk_size"]} if "chunk_size" in runs[0] else {}
+
+    def per_gb(f: Callable[[dict[str, Any]], float]) -> float:
+        return float(np.median([f(r) / (b / 1e9) for b, r in zip(size, runs, strict=True)]))
+
+    if all("cpu_tx_sys" in r for r in runs):
+        extra["cpu_sys_share"] = float(
+            np.median(
+                [
+                    (r["cpu_tx_sys"] + r.get("cpu_rx_sys", 0.0))
+                    / max(r["cpu_tx"] + r.get("cpu_rx", 0.0), 1e-9)
+                    for r in runs
+                ]
+            )
+        )
     return {
         "link": link,
         "sender": name,
         "goodput_gbps": float(
             np.median([_gbps(b, r["seconds"]) for b, r in zip(size, runs, strict=True)])
         ),
-        "cpu_s_per_gb": float(
-            np.median(
-                [
-                    (r["cpu_tx"] + r.get("cpu_rx", 0.0)) / (b / 1e9)
-                    for b, r in zip(size, runs, strict=True)
-                ]
-            )
-        ),
+        "cpu_s_per_gb": per_gb(lambda r: r["cpu_tx"] + r.get("cpu_rx", 0.0)),
+        "cpu_tx_s_per_gb": per_gb(lambda r: r["cpu_tx"]),
+        "cpu_rx_s_per_gb": per_gb(lambda r: r.get("cpu_rx", 0.0)),
         "retrans_mb": float(np.median([r["retrans"] for r in runs])) / 1e6,
         # tcp_info's bytes_retrans (pddnet, plain TCP) is exact; iperf3 counts
         # segments, which _iperf3 turns into an upper bound of one MSS each
@@ -273,32 +288,56 @@ def _parse_link(text: str) -> dict[str, float]:
     return link
 
 
+def _wait_rusage(proc: subprocess.Popen[Any], timeout: float) -> tuple[float, bool]:
+    """Reap ``proc`` (killed after ``timeout`` s) and return its CPU seconds
+    (``wait4``: the process and its threads, its whole life) and whether it had
+    to be killed."""
+    deadline = time.monotonic() + timeout
+    killed = False
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            killed = True
+            pid, status, ru = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.02)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return ru.ru_utime + ru.ru_stime, killed
+
+
 def _iperf3(wan: Any, n: int, seconds: float, cc: str, mtu: int) -> dict[str, Any]:
+    """One ``iperf3 -P n`` run.
+
+    Its CPU (``cpu_tx``/``cpu_rx``, ``_sys`` the kernel's share) is what iperf3's
+    client and server processes report from their own ``getrusage`` over the test,
+    the window pddnet's processes are measured over; ``cpu_*_proc`` is each
+    process's whole life (``wait4``: start-up and the control connection too), an
+    upper bound that checks the report. The ratios use the report (the lower)."""
     port = 5201
-    proc = wan.md.spawn(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL)
+    server = wan.md.spawn(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL)
     time.sleep(0.3)
-    try:
-        res = wan.p.run(
-            [
-                "iperf3",
-                "-c",
-                wan.md.addr,
-                "-p",
-                str(port),
-                "-P",
-                str(n),
-                "-t",
-                str(max(1, round(seconds))),  # whole seconds: iperf3 reads "0.5" as 0, forever
-                "-C",
-                cc,
-                "-J",
-            ],
-            timeout=seconds + 30,
-        )
-    finally:
-        proc.kill()
-        proc.wait()
-    rep = json.loads(res.stdout)
+    argv = ["iperf3", "-c", wan.md.addr, "-p", str(port), "-P", str(n)]
+    # whole seconds: iperf3 reads "0.5" as 0, forever
+    argv += ["-t", str(max(1, round(seconds))), "-C", cc, "-J"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            client = wan.p.spawn(argv, stdout=out, stderr=err, text=True)
+            client_cpu, killed = _wait_rusage(client, seconds + 30)
+        finally:
+            server_cpu, _ = _wait_rusage(server, 10.0)
+        if killed:
+            raise subprocess.TimeoutExpired(argv, seconds + 30)
+        out.seek(0)
+        err.seek(0)
+        if client.returncode != 0:
+            raise TransportError(
+                f"iperf3 client exited {client.returncode}: {err.read().strip()[-500:]}"
+            )
+        text = out.read()
+    rep = json.loads(text)
     end = rep["end"]
     secs = float(end["sum_received"]["seconds"])
     nbytes = float(end["sum_received"]["bytes"])
@@ -309,6 +348,10 @@ def _iperf3(wan: Any, n: int, seconds: float, cc: str, mtu: int) -> dict[str, An
         "seconds": secs,
         "cpu_tx": cpu.get("host_total", 0.0) / 100 * secs,
         "cpu_rx": cpu.get("remote_total", 0.0) / 100 * secs,
+        "cpu_tx_sys": cpu.get("host_system", 0.0) / 100 * secs,
+        "cpu_rx_sys": cpu.get("remote_system", 0.0) / 100 * secs,
+        "cpu_tx_proc": client_cpu,
+        "cpu_rx_proc": server_cpu,
         # iperf3 reports segments, not bytes: at most one MSS each (MTU - IP/TCP
         # headers with timestamps), so this is an upper bound; see _row
         "retrans": segments * (mtu - K_TCP_IP_HEADERS),
@@ -422,21 +465,29 @@ def round_order(r: int, names: list[str]) -> list[str]:
 
 
 def paired_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The pddnet/iperf3 ratio over paired rounds.
+    """The pddnet/iperf3 ratios (goodput, and CPU seconds per GB) over paired rounds.
 
     Args:
         rounds: one dict per round: ``pddnet`` and ``iperf3`` goodput (``None`` if
-            that run did not happen) and ``fault`` (why the emulator spoilt the
-            round, or ``None``).
+            that run did not happen), optionally ``pddnet_cpu`` and ``iperf3_cpu``
+            (CPU seconds per GB, sender + receiver processes), and ``fault`` (why
+            the emulator spoilt the round, or ``None``).
 
     Returns:
         ``rounds`` (rounds kept with both runs), ``rounds_discarded`` (spoilt by
         the emulator, with ``discarded`` their reasons), ``ratio_vs_iperf3``
-        (median of the kept rounds' ratios), ``ratio_vs_iperf3_min`` (the worst)
-        and ``ratio_vs_iperf3_rounds``; the ratios are ``None`` without a kept pair.
+        (median of the kept rounds' goodput ratios), ``ratio_vs_iperf3_min`` (the
+        worst) and ``ratio_vs_iperf3_rounds``; ``cpu_per_gb_ratio_vs_iperf3``
+        (median of the kept rounds' CPU-per-GB ratios), ``..._max`` (the worst)
+        and ``..._rounds``. A ratio is ``None`` without a kept pair.
     """
     kept = [r for r in rounds if not r["fault"]]
     ratios = [r["pddnet"] / r["iperf3"] for r in kept if r["pddnet"] and r["iperf3"]]
+    cpu = [
+        r["pddnet_cpu"] / r["iperf3_cpu"]
+        for r in kept
+        if r["pddnet"] and r["iperf3"] and r.get("pddnet_cpu") and r.get("iperf3_cpu")
+    ]
     return {
         "rounds": len(ratios),
         "rounds_discarded": len(rounds) - len(kept),
@@ -444,6 +495,9 @@ def paired_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio_vs_iperf3": float(np.median(ratios)) if ratios else None,
         "ratio_vs_iperf3_min": min(ratios) if ratios else None,
         "ratio_vs_iperf3_rounds": ratios,
+        "cpu_per_gb_ratio_vs_iperf3": float(np.median(cpu)) if cpu else None,
+        "cpu_per_gb_ratio_vs_iperf3_max": max(cpu) if cpu else None,
+        "cpu_per_gb_ratio_vs_iperf3_rounds": cpu,
     }
 
 
@@ -478,6 +532,13 @@ def _round_fault(rec: dict[str, Any]) -> str | None:
 
 def _goodput(run: dict[str, Any] | None) -> float | None:
     return _gbps(run["bytes"], run["seconds"]) if run else None
+
+
+def cpu_per_gb(run: dict[str, Any] | None) -> float | None:
+    """CPU seconds per GB of payload of one run, sender + receiver processes."""
+    if not run or not run["bytes"]:
+        return None
+    return (float(run["cpu_tx"]) + float(run.get("cpu_rx", 0.0))) / (run["bytes"] / 1e9)
 
 
 def emulated(
@@ -571,7 +632,11 @@ def emulated(
                 log.append(rec)
             paired = paired_summary(
                 [
-                    {**{w: _goodput(rec.get(w)) for w in senders}, "fault": rec["fault"]}
+                    {
+                        **{w: _goodput(rec.get(w)) for w in senders},
+                        **{f"{w}_cpu": cpu_per_gb(rec.get(w)) for w in senders},
+                        "fault": rec["fault"],
+                    }
                     for rec in log
                 ]
             )
@@ -778,7 +843,10 @@ def main(args: argparse.Namespace) -> int:
                 if is_quick_link or prio is None or (prio["rtt_s"] == 0 and p["rtt_s"] > 0):
                     prio = p
     # pacing and chunk_size: in the JSON only
-    shown = [{k: v for k, v in r.items() if k not in ("pacing", "chunk_size")} for r in rows]
+    shown = [
+        {k: v for k, v in r.items() if k not in ("pacing", "chunk_size", "cpu_sys_share")}
+        for r in rows
+    ]
     print_table(shown, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
     summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
     if args.missing:
@@ -795,10 +863,9 @@ def main(args: argparse.Namespace) -> int:
     # The paired rounds of the quick link (or the only link run) carry the ratio.
     head = paired.get(quick) or (next(iter(paired.values())) if len(paired) == 1 else None)
     if head is not None:
-        summary.update(
-            {k: v for k, v in head.items() if k not in ("log", "ratio_vs_iperf3_rounds")}
-        )
-        summary["ratio_vs_iperf3_rounds"] = head["ratio_vs_iperf3_rounds"]
+        summary.update({k: v for k, v in head.items() if k != "log" and not k.endswith("_rounds")})
+        for k in ("ratio_vs_iperf3_rounds", "cpu_per_gb_ratio_vs_iperf3_rounds"):
+            summary[k] = head[k]
     summary.update(_tls_summary(rows, "loopback", "loopback_"))
     summary.update(_tls_summary(rows, quick, ""))
     if prio:
