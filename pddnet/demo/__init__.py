@@ -225,6 +225,7 @@ def _run(
         f"pddnet demo: no emulated WAN here ({reason}); running on loopback, where the WAN"
         " is not shaped and RLD has nothing to mask."
     )
+    out["local_path"] = choose_local_path(cfg, subprocess.Popen, subprocess.Popen, "loopback")
     for name in _PHASES:
         phase(
             name,
@@ -240,7 +241,6 @@ def _follow(procs: list[subprocess.Popen[str]], log: list[str], timeout: float =
     p = procs[0]
     assert p.stdout is not None
     deadline = time.monotonic() + timeout
-    out["local_path"] = choose_local_path(cfg, subprocess.Popen, subprocess.Popen, "loopback")
     with StatusLine() as status:
         for line in p.stdout:
             line = line.rstrip()
