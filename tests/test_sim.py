@@ -230,3 +230,43 @@ def test_cli_quick_json_has_the_summary(tmp_path: Path) -> None:
     ):
         assert key in s
     assert s["requests_simulated"] > 20
+
+
+@pytest.mark.parametrize(("mode", "catch_up"), [("one-shot", False), ("catch-up", True)])
+def test_relayed_tokens_add_up_and_catch_up_takes_rounds(mode: str, catch_up: bool) -> None:
+    # A slow link (1e6 B/s: the KV lands after ~0.26 s, ~130 tokens) with a short
+    # RTT (10 ms), so that catch-up converges: RLD decodes ~500 tokens/s, MD
+    # recomputes ~4900 tokens/s, and 500 x (130 / 4900 + 0.01) < 16 tokens.
+    cfg = _cfg(
+        router={"ttft_target_s": 0.01},
+        handoff={"mode": mode},
+        wan={"bandwidth_bps": 8e6, "rtt_s": 0.01},
+    )
+    sim = Simulation(cfg, one_request(400))
+    (r,) = sim.run().requests
+    assert r.route == Route.P_RLD_MD.value and r.failure is None
+    # every token once: RLD's, then MD's from the switch on
+    assert r.rld_tokens + r.md_tokens == 400
+    # more than catchup_threshold (64) tokens pending when MD's KV lands:
+    # catch-up hands over in rounds while RLD keeps decoding; one-shot in one
+    assert (r.rounds > 1) if catch_up else (r.rounds == 1)
+    assert sim.routers[0].active_relays == 0
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_admission_sheds_when_rld_is_full(admission: bool) -> None:
+    # Ten requests at once; P prefills one every ~0.205 s; each relay lasts
+    # past the next one's prefill (~0.2 s to MD's KvReady plus the handoff),
+    # so with one relay slot every other request finds RLD full.
+    cfg = _cfg(
+        router={"ttft_target_s": 0.01, "max_concurrent_relays": 1, "admission": admission},
+    )
+    turns = [[Turn(s, 0, 1024, 0, 200, 0.0)] for s in range(10)]
+    run = Simulation(cfg, Workload(turns, system_prompt=0)).run()
+    reasons = run.router["by_reason"]
+    if admission:
+        assert reasons.get("RELAY_FULL", 0) > 0
+        assert reasons["RELAY_FULL"] + reasons["MASK_TRANSFER"] == 10
+    else:
+        assert reasons == {"MASK_TRANSFER": 10}
+    assert all(r.failure is None for r in run.requests)

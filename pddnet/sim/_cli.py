@@ -89,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
         )
         print(
             f"{s['requests_simulated']} requests x {s['runs']} runs on {s['gpus']} GPUs in "
-            f"{s['wall_s']:.1f} s: {s['sim_requests_per_s']:.0f} simulated requests/s"
+            f"{s['wall_s']:.1f} s ({s['cpu_s']:.1f} s of CPU): {s['sim_requests_per_s']:.0f} "
+            f"simulated requests/s ({s['sim_requests_per_cpu_s']:.0f} per CPU second)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -126,6 +126,7 @@ class RouterConfig:
     max_concurrent_relays: int
     max_eager_tokens: int
     admission: bool
+    link_estimate: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +318,8 @@ def _check(cfg: SimConfig) -> None:
     ):
         if isinstance(rate, str) and rate != "auto":
             raise SimConfigError(f'a number or "auto", got {rate!r}', key=key)
+    if cfg.router.link_estimate not in ("sampled", "fair-share"):
+        raise SimConfigError('"sampled" or "fair-share"', key="router.link_estimate")
     if cfg.handoff.mode not in ("one-shot", "catch-up"):
         raise SimConfigError('"one-shot" or "catch-up"', key="handoff.mode")
     if cfg.handoff.fallback not in ("one-shot", "keep-rld", "auto"):

@@ -28,7 +28,10 @@ SOURCE_RESULTS = {
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else math.nan
+    # no interpolation: a failed request's infinite TTFT must not turn a percentile into nan
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=float), q, method="inverted_cdf"))
 
 
 def run_metrics(run: RunResult, cfg: SimConfig) -> dict[str, Any]:
@@ -123,21 +126,23 @@ def run_pair(
 ) -> dict[str, Any]:
     """Baseline and PDD on the same workload and cluster: both runs' metrics,
     the comparison, and the simulator's own speed."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     runs = {}
     for mode in ("baseline", "pdd"):
         if progress:
             progress(f"sim: {mode}: {workload.requests} requests")
         result = Simulation(cfg, workload, baseline=mode == "baseline").run()
         runs[mode] = run_metrics(result, cfg)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     summary = compare(runs["baseline"], runs["pdd"])
     simulated = runs["baseline"]["requests"] + runs["pdd"]["requests"]
     summary.update(
         requests_simulated=runs["pdd"]["requests"],
         runs=2,
         wall_s=wall,
+        cpu_s=cpu,
         sim_requests_per_s=simulated / wall if wall > 0 else math.inf,
+        sim_requests_per_cpu_s=simulated / cpu if cpu > 0 else math.inf,
         mean_prefix_hit=workload.mean_hit(),
         share_hit_above_95=workload.share_above(0.95),
         gpus=sum(runs["pdd"]["gpus"].values()),
@@ -173,7 +178,7 @@ def sweep(
         for n in (1, 2, 4, 8, 12, 16):
             points.append((n, cfg.replace("cluster", relay=n)))
     elif kind == "wan-gbps":
-        for gbps in (10, 25, 50, 100, 200):
+        for gbps in (10, 25, 40, 50, 70, 100, 200):
             points.append((gbps, cfg.replace("wan", bandwidth_bps=gbps * 1e9)))
     elif kind == "admission":
         for on in (True, False):

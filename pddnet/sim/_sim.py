@@ -136,6 +136,7 @@ class RequestResult:
     wan_bytes: int
     md_hit_blocks: int
     handoff_stall_s: float | None
+    rounds: int
     failure: str | None
 
     @property
@@ -672,7 +673,10 @@ class Simulation:
             RelayCandidate(name, self.relay_slots[i] - held[i])
             for i, name in enumerate(self.relay_names)
         )
-        decision = self.routers[req.p].decide(
+        router = self.routers[req.p]
+        if self.cfg.router.link_estimate == "fair-share":
+            router.update_link(bandwidth_bytes_s=self._fair_share(), weight=1.0)
+        decision = router.decide(
             RouteRequest(
                 req.rid,
                 0,
@@ -761,13 +765,22 @@ class Simulation:
     def transfer_completed(self, req: _Req, started: float) -> None:
         """P's side saw the transfer acknowledged: PrefillEndpoint._watch
         samples that MD's link over the bytes it drained."""
-        if req.wan_bytes < K_BANDWIDTH_SAMPLE_BYTES or req.decision is None:
+        if (
+            req.wan_bytes < K_BANDWIDTH_SAMPLE_BYTES
+            or req.decision is None
+            or self.cfg.router.link_estimate != "sampled"
+        ):
             return
         router, name = self.routers[req.p], self.main_names[req.md]
         elapsed = self.loop.now - started - router.link_for(name).rtt_s
         if elapsed > 0:
             sample = (req.wan_bytes + req.decision.bytes_ahead) / elapsed
             router.update_link(bandwidth_bytes_s=sample, weight=0.2, main=name)
+
+    def _fair_share(self) -> float:
+        """What one sender's streams would get on the link now (the what-if estimate)."""
+        streams = self.cfg.wan.streams
+        return streams * self.wan.stream_rate(self.sending + streams)
 
     def _release(self, req: _Req) -> None:
         """Router.release once RLD let go (the Router's contract), and the
@@ -988,6 +1001,7 @@ class Simulation:
                 req.wan_bytes,
                 req.hit_blocks,
                 req.stall,
+                req.relay.rounds if req.relay is not None else 0,
                 failure,
             )
         )
