@@ -1,18 +1,22 @@
 """``pddnet demo --engine vllm``: P, RLD and MD as three vLLM CPU instances.
 
 The end-to-end run (slow, skipped without vLLM) runs the quick demo as the
-user does and checks its summary: every request of both phases finished with
-single-instance vLLM's greedy tokens (the oracle runs in a process of its own,
-without pddnet), none lost or failed, and the routed phase used RLD.
+user does and checks its summary against issue 18's targets: every request of
+both phases finished with single-instance vLLM's greedy tokens (the oracle
+runs in a process of its own, without pddnet), none lost or failed, at least
+one handoff took 2+ rounds (a catch-up), the low-hit p50 TTFT fell by at
+least 0.4, and, unless the machine is overloaded, in under 3 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,15 +33,60 @@ def test_engine_option_and_its_defaults() -> None:
     ref, vllm = _config(), _config("--engine", "vllm")
     assert (ref["engine"], ref["max_tokens"], ref["catchup_threshold"]) == ("reference", 32, 64)
     assert (vllm["engine"], vllm["max_tokens"], vllm["catchup_threshold"]) == ("vllm", 128, 16)
-    assert (ref["rate_bps"], vllm["rate_bps"]) == (25e6, 50e6)
+    assert vllm["first_turn_tokens"] == demo.K_VLLM_FIRST_TURN_TOKENS == 512
+    assert (ref["rate_bps"], vllm["rate_bps"]) == (25e6, 25e6)
     given = _config("--engine", "vllm", "--max-tokens", "20", "--catchup-threshold", "64")
-    assert (given["max_tokens"], given["catchup_threshold"]) == (20, 64)
+    assert (given["max_tokens"], given["first_turn_tokens"], given["catchup_threshold"]) == (
+        20,
+        20,
+        64,
+    )
 
 
-@pytest.mark.slow  # seven vLLM engine start-ups on 2 cores: ~1.5-3 minutes
+def check_targets(summary: dict[str, Any]) -> list[str]:
+    """Issue 18's targets for ``demo --engine vllm --quick``: the ones missed."""
+    s = summary
+    missed = []
+    if s["tokens_match_reference"] is not True:
+        missed.append("tokens_match_reference")
+    if s["lost_requests"] != 0 or s["failed_requests"] != 0:
+        missed.append("lost/failed requests")
+    if not s["handoff_rounds_max"] >= 2:
+        missed.append(f"handoff_rounds_max {s['handoff_rounds_max']} < 2")
+    if not s["ttft_p50_reduction_low_hit"] >= 0.4:
+        missed.append(f"ttft_p50_reduction_low_hit {s['ttft_p50_reduction_low_hit']} < 0.4")
+    if not s["elapsed_s"] < 180:
+        missed.append(f"elapsed_s {s['elapsed_s']} >= 180")
+    return missed
+
+
+def test_check_targets_catches_each_miss() -> None:
+    ok = {
+        "tokens_match_reference": True,
+        "lost_requests": 0,
+        "failed_requests": 0,
+        "handoff_rounds_max": 2,
+        "ttft_p50_reduction_low_hit": 0.5,
+        "elapsed_s": 90.0,
+    }
+    assert check_targets(ok) == []
+    misses = {  # one run of the previous defaults ended with rounds 1 (docs/benchmarks.md)
+        "handoff_rounds_max": 1,
+        "ttft_p50_reduction_low_hit": 0.39,
+        "tokens_match_reference": False,
+        "failed_requests": 1,
+        "elapsed_s": 181.0,
+        "rld_token_share": 0.0,  # not a target: not checked
+    }
+    for key, value in misses.items():
+        assert len(check_targets({**ok, key: value})) == (key != "rld_token_share"), key
+
+
+@pytest.mark.slow  # seven vLLM engine start-ups on 2 cores: 2.5-5.5 minutes at load 5-10
 def test_vllm_demo_streams_vllm_greedy_tokens(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'pddnet[vllm]')")
     out = tmp_path / "demo.json"
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # others' jobs on this machine
     argv = [sys.executable, "-m", "pddnet", "demo", "--engine", "vllm", "--quick"]
     proc = subprocess.run(
         [*argv, "--json", str(out), "--png", ""],
@@ -49,10 +98,15 @@ def test_vllm_demo_streams_vllm_greedy_tokens(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     s = report["summary"]
     assert s["requests"] == 2 * 4 * 4  # --quick: 4 sessions x 4 turns, two phases
-    assert s["tokens_match_reference"] is True
-    assert s["lost_requests"] == 0 and s["failed_requests"] == 0
+    missed = check_targets(s)
+    # The 3-minute bound is for a machine the demo has to itself: at a load
+    # average of 8-10 on 2 cores the seven vLLM start-ups alone took longer
+    # (docs/benchmarks.md); every other target holds at any load. The load
+    # is read before the demo starts, so the demo's own does not count.
+    if busy:
+        missed = [m for m in missed if not m.startswith("elapsed_s")]
+    assert missed == [], s
     assert s["rld_token_share"] > 0  # the routed phase's low-hit requests went through RLD
-    for key in ("handoff_rounds_max", "ttft_p50_reduction_low_hit"):
-        assert key in s
-    tokens = {len(r["tokens"]) for r in report["records"]}
-    assert tokens == {128}, tokens  # every stream complete at vLLM's default length
+    # every stream complete: 512 tokens for each session's first turn, else 128
+    for r in report["records"]:
+        assert len(r["tokens"]) == (512 if r["turn"] == 0 else 128), (r["session"], r["turn"])

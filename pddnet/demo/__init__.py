@@ -88,13 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens per answer (default 32; 128 with --engine vllm, which decodes at its own"
-        " speed, so that MD's KV lands while RLD is still decoding)",
+        " speed, and 512 for each session's first turn there: see _config)",
     )
     parser.add_argument("--rtt", default="30ms")
     parser.add_argument(
         "--rate",
         default=None,
-        help="WAN rate (default 25mbit; 50mbit with --engine vllm, whose KV is 2 KiB/token)",
+        help="WAN rate (default 25mbit)",
     )
     parser.add_argument("--loss", default="0")
     parser.add_argument("--step-ms", type=float, default=20.0, help="paced decode step")
@@ -123,7 +123,28 @@ def _free_port() -> int:
 
 
 def _rate(args: argparse.Namespace) -> str:
-    return str(args.rate or ("50mbit" if args.engine == "vllm" else "25mbit"))
+    return str(args.rate or "25mbit")
+
+
+# vLLM decodes at its own speed. A low-hit request catches up (2+ rounds) when
+# MD's KV lands D seconds after RLD's first token with 16 < rate * D < answer
+# (more than --catchup-threshold eager tokens, and RLD not yet done). Measured
+# at 25 Mbit/s (docs/benchmarks.md): the four first-turn prompts' KV (650-1170
+# tokens, 2 KiB each, sharing the WAN) lands at D = 1.8 to 3.4 s, and RLD's
+# batched rate ranged 25-180 tokens/s between runs on 2 shared cores. With
+# 128-token answers RLD finished all four alone at 125 tokens/s (128 < 125 *
+# 1.8). A 512-token first turn puts some request in the window at any rate
+# from 16 / 3.4 = 5 to 512 / 1.8 = 280 tokens/s. Later turns (high hit,
+# routed P->MD) answer --max-tokens.
+K_VLLM_FIRST_TURN_TOKENS = 512
+
+# Each vLLM process (three roles, then the oracle) runs one torch thread unless
+# OMP_NUM_THREADS says otherwise: vLLM CPU keeps torch's one thread per core,
+# and four engines' spinning OpenMP threads on a small machine slow every
+# step (measured on 2 loaded cores: phases of 26 and 45 s with two threads,
+# 7 and 8 s with one; docs/benchmarks.md). The roles and the oracle run the
+# same numerics either way.
+K_VLLM_THREADS = "1"
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,6 +157,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "sessions": args.sessions or (4 if args.quick else 8),
         "turns": args.turns,
         "max_tokens": args.max_tokens or (128 if args.engine == "vllm" else 32),
+        # vLLM: each session's first (low-hit) turn; --max-tokens sets every turn
+        "first_turn_tokens": args.max_tokens or K_VLLM_FIRST_TURN_TOKENS,
         "seed": 7,
         "request_timeout_s": 60.0,
         "local_path": args.local_path,
@@ -161,6 +184,8 @@ def _spawn_roles(
 ) -> list[subprocess.Popen[str]]:
     """Start the three role processes (P first: it hosts the rendezvous)."""
     env = {**os.environ, "PDDNET_SECRET": secrets.token_hex(32)}
+    if cfg["engine"] == "vllm":
+        env.setdefault("OMP_NUM_THREADS", K_VLLM_THREADS)
     procs = []
     for role in _ROLES:
         rcfg = {
@@ -293,25 +318,36 @@ def vllm_reference_streams(
     """Single-instance vLLM greedy decoding of every request's prompt on ``model``.
 
     One vLLM instance without pddnet, in a process of its own
-    (``pddnet.demo._vllm_roles oracle``), decodes each distinct prompt.
+    (``pddnet.demo._vllm_roles oracle``), decodes each distinct prompt to the
+    longest answer a record of it asks for; each record's reference is that
+    stream's first ``max_tokens`` (greedy: a shorter answer is a prefix).
 
     Raises:
         RuntimeError: if that process failed (its output attached).
     """
-    prompts = sorted({tuple(rec["prompt"]) for rec in records})
-    max_tokens = {rec["max_tokens"] for rec in records}
-    if len(max_tokens) != 1:
-        raise RuntimeError(f"the records ask for different lengths: {sorted(max_tokens)}")
+    lengths: dict[tuple[int, ...], int] = {}
+    for rec in records:
+        key = tuple(rec["prompt"])
+        lengths[key] = max(lengths.get(key, 0), rec["max_tokens"])
+    prompts = sorted(lengths)
     out = tmp / "oracle.json"
-    cfg = {"model": model, "prompts": prompts, "max_tokens": max_tokens.pop(), "out": str(out)}
+    cfg = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": [lengths[p] for p in prompts],
+        "out": str(out),
+    }
     argv = [sys.executable, "-m", "pddnet.demo._vllm_roles", "oracle", json.dumps(cfg)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    env = {"OMP_NUM_THREADS": K_VLLM_THREADS, **os.environ}  # as the roles (_spawn_roles)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     if done.returncode != 0:
         raise RuntimeError(
             f"the vLLM oracle failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
         )
     streams = dict(zip(prompts, json.loads(out.read_text()), strict=True))
-    return {rec["request_id"]: streams[tuple(rec["prompt"])] for rec in records}
+    return {
+        rec["request_id"]: streams[tuple(rec["prompt"])][: rec["max_tokens"]] for rec in records
+    }
 
 
 def tail_period(
@@ -492,7 +528,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(
         f"pddnet demo: {cfg['sessions']} sessions x {cfg['turns']} turns per phase, "
-        f"{cfg['max_tokens']} tokens each, "
+        f"{cfg['max_tokens']} tokens each"
+        + (f" ({cfg['first_turn_tokens']} on first turns), " if args.engine == "vllm" else ", ")
         + (
             "vLLM CPU engines (decode at vLLM's own speed); "
             if args.engine == "vllm"

@@ -23,6 +23,7 @@ This module imports vLLM; the demo's parent process never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sys
@@ -49,8 +50,9 @@ from ..route import Route
 from ._roles import await_outcome, close_record, new_record, phase_stats, serve_decoder
 from ._workload import DemoRequest, make_sessions
 
-# The workload's longest prompt (1200 + 3 * 48 tokens) plus its answer fits;
-# the tiny checkpoint has 2048 positions.
+# The workload's longest prompts plus their answers fit: the first turn's 1200
+# + 512 tokens, the last's 1200 + 3 * 48 + 128; the tiny checkpoint has 2048
+# positions.
 K_MAX_MODEL_LEN = 2048
 
 
@@ -163,9 +165,12 @@ async def _frontend(
     phase = cfg["phase"]
     route = Route.P_MD if phase == "baseline" else None
     vocab = reference_config(cfg["model"]).vocab_size
-    sessions = make_sessions(
-        cfg["seed"], cfg["sessions"], cfg["turns"], vocab=vocab, max_tokens=cfg["max_tokens"]
-    )
+    sessions = [
+        [r if r.turn else dataclasses.replace(r, max_tokens=cfg["first_turn_tokens"]) for r in s]
+        for s in make_sessions(
+            cfg["seed"], cfg["sessions"], cfg["turns"], vocab=vocab, max_tokens=cfg["max_tokens"]
+        )
+    ]
     records: dict[int, dict[str, Any]] = {}
     t_phase = time.monotonic()
     async with trio.open_nursery() as nursery:
@@ -216,14 +221,17 @@ async def decoder(role: str, cfg: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- oracle
 def oracle(cfg: dict[str, Any]) -> None:
-    """Single-instance vLLM greedy streams of ``cfg["prompts"]``, written to ``cfg["out"]``."""
+    """Single-instance vLLM greedy streams of ``cfg["prompts"]`` (prompt ``i``
+    answering ``cfg["max_tokens"][i]`` tokens), written to ``cfg["out"]``."""
     apply_cpu_env()
     import vllm
 
     engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**engine_kwargs(cfg["model"])))
-    prompts = {str(i): p for i, p in enumerate(cfg["prompts"])}
-    steps = run_greedy(engine, prompts, cfg["max_tokens"])
-    streams = [[t for s in steps[str(i)] for t in s] for i in range(len(prompts))]
+    steps: dict[str, list[list[int]]] = {}
+    for n in sorted(set(cfg["max_tokens"])):  # one batch per answer length
+        group = {str(i): p for i, p in enumerate(cfg["prompts"]) if cfg["max_tokens"][i] == n}
+        steps.update(run_greedy(engine, group, n))
+    streams = [[t for s in steps[str(i)] for t in s] for i in range(len(cfg["prompts"]))]
     with open(cfg["out"], "w") as f:
         json.dump(streams, f)
 
