@@ -34,16 +34,18 @@ async def test_attack1_descriptor_flood_on_the_control_port() -> None:
     """More silent connections than descriptors, kept open: a new honest node still gets in."""
     with trio.fail_after(90):
         r = await attack_descriptor_flood(
-            nofile=256, extra=64, dealers=32, hold_s=5.0, reopen=False
+            nofile=256, extra=64, dealers=32, hold_s=8.0, reopen=False
         )
     _survived(r)
     f = r.figures
     assert f["fds"][1] >= 256 - 8, f  # the server did run out of descriptors
     assert f["connected_pings_answered"] == 3, f  # the node already connected is served
     # zmq closes a connection that has not finished its handshake after 3 s
-    # (old code: 30 s for a silent one, never for a zmq stranger)
-    assert f["new_node_answered_s"] is not None and f["new_node_answered_s"] < 5.0, f
+    # (old code: 30 s for a silent one, never for a zmq stranger)...
     assert f["strangers_shed_s"] is not None and f["strangers_shed_s"] < 5.0, f
+    # ... so a newcomer gets in (typically after 2 to 3 s; its SYN may wait
+    # for the kernel's retry at 3 or 7 s when the backlog was full)
+    assert f["new_node_answered_s"] is not None and f["new_node_answered_s"] < 8.0, f
     assert f["fds"][2] <= f["fds"][0] + 4, f  # back to the baseline once they left
     assert r.honest_failed == 0, r
 
