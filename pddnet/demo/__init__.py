@@ -582,6 +582,7 @@ def report(
     print_table(_request_rows(records), title=f"\nper-request timeline ({link})")
     summary = summarize(records, refs, stats, expected=expected)
     summary["link"] = link
+    summary.update(local_path_summary(phases))
     summary["elapsed_s"] = time.monotonic() - t0
     print()
     print_table([{"metric": k, "value": v} for k, v in summary.items()], title="summary")
@@ -603,4 +604,3 @@ def report(
         )
         return 1
     return 0
-    summary.update(local_path_summary(phases))
