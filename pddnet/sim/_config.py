@@ -127,6 +127,7 @@ class RouterConfig:
     max_eager_tokens: int
     admission: bool
     link_estimate: str
+    md_capacity: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +319,8 @@ def _check(cfg: SimConfig) -> None:
     ):
         if isinstance(rate, str) and rate != "auto":
             raise SimConfigError(f'a number or "auto", got {rate!r}', key=key)
+    if cfg.router.md_capacity < 0:
+        raise SimConfigError("must be >= 0", key="router.md_capacity")
     if cfg.router.link_estimate not in ("sampled", "fair-share"):
         raise SimConfigError('"sampled" or "fair-share"', key="router.link_estimate")
     if cfg.handoff.mode not in ("one-shot", "catch-up"):

@@ -662,12 +662,13 @@ class Simulation:
         keys = block_hashes(tokens, self.block)
         req.nblocks = nblocks = -(-t.prompt // self.block)
         key_list = keys.tolist()  # probed per MD, as PrefillEndpoint._candidates does
+        capacity = self.cfg.router.md_capacity
         mains = []
         for i, name in enumerate(self.main_names):
             delta = (nblocks - self.mirrors[i].predict(key_list)) * self.block_bytes
             sender = self.senders.get((req.p, i))
             ahead = sender.sched.bytes_ahead(delta) if sender is not None else 0
-            mains.append(MainCandidate(name, delta, ahead, self.md_active[i]))
+            mains.append(MainCandidate(name, delta, ahead, self.md_active[i], capacity))
         held = self.held[req.p]
         relays = tuple(
             RelayCandidate(name, self.relay_slots[i] - held[i])
