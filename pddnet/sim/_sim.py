@@ -77,8 +77,7 @@ from ..route import (
     Router,
     RouteRequest,
 )
-from ..transport.wan import Scheduler
-from ..transport.wan._scheduler import TransferCompleted, TransferFailed
+from ..transport.wan import Scheduler, TransferCompleted, TransferFailed
 from ..wire import Message
 from ._config import SimConfig, SimConfigError
 from ._models import EngineModel, HardwareModel, WanModel

@@ -22,7 +22,7 @@ from ._pacer import (
     register_pacer,
 )
 from ._receiver import ReceiverStatistics, WanReceiver
-from ._scheduler import Chunk, Scheduler
+from ._scheduler import Chunk, Scheduler, TransferCompleted, TransferFailed, TransferProgress
 from ._sender import (
     SenderStatistics,
     StreamStatistics,
@@ -49,6 +49,9 @@ __all__ = [
     "StreamStatistics",
     "TcpSample",
     "TlsConfig",
+    "TransferCompleted",
+    "TransferFailed",
+    "TransferProgress",
     "WanCancel",
     "WanGrant",
     "WanGrantRequest",
