@@ -270,3 +270,30 @@ def test_admission_sheds_when_rld_is_full(admission: bool) -> None:
     else:
         assert reasons == {"MASK_TRANSFER": 10}
     assert all(r.failure is None for r in run.requests)
+
+
+def test_wan_stream_cap_is_window_over_rtt_then_mathis() -> None:
+    from pddnet.sim import WanModel
+
+    cfg = load_config()
+    # 32 MiB window over 30 ms: 33554432 / 0.03 = 1118481066.7 B/s per stream
+    w = WanModel(cfg.wan)
+    assert w.stream_cap_bytes_s == pytest.approx(1118481066.7)
+    # 100 Gb/s shared by 200 sending streams: 12.5e9 / 200 = 62.5e6 B/s each
+    assert w.stream_rate(200) == pytest.approx(62.5e6)
+    # loss 1e-4: Mathis, 1448 B / 0.03 s = 48266.67 B/s, x sqrt(3/2) = 1.2247449
+    # -> 59114.35, / sqrt(1e-4) = 0.01 -> 5911435 B/s
+    lossy = WanModel(load_config(wan={"loss": 1e-4}).wan)
+    assert lossy.stream_cap_bytes_s == pytest.approx(5911435, rel=1e-6)
+    assert lossy.goodput_bytes_s == pytest.approx(12.5e9 * (1 - 1e-4))
+
+
+@pytest.mark.parametrize(("batch", "ctx"), [(32, 32 * 30000), (1, 100), (64, 64 * 8)])
+def test_decode_segments_sum_their_steps(batch: int, ctx: int) -> None:
+    from pddnet.sim import EngineModel
+
+    cfg = load_config()
+    for gpu in cfg.gpu.values():
+        m = EngineModel(cfg.model, gpu, cfg.engine)
+        steps = [m.decode_step_s(batch, ctx + i * batch) for i in range(50)]
+        assert m.decode_steps_s(batch, ctx, 50) == pytest.approx(sum(steps), rel=1e-12)

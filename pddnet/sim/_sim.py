@@ -6,17 +6,22 @@ the *drivers* of pddnet's sans-IO parts, written against a simulated clock
 and simulated engines and links, and fed the way pddnet's trio drivers feed
 them:
 
-* P (:class:`~pddnet.api.PrefillEndpoint`'s ``submit``): the request's
-  prompt goes through P's :class:`~pddnet.cache.CacheMirror` (``plan``) to
-  size the delta MD lacks; its :class:`~pddnet.route.Router` decides the
-  route (``decide``), and is told when RLD lets go (``release``) and what a
-  large WAN transfer measured (``update_link``);
-* MD (``CachedGrants``): the offer is matched and pinned by MD's
-  :class:`~pddnet.cache.CacheServer` (``handle_plan``), blocks are taken from
-  MD's pool, evicting the :class:`~pddnet.cache.RadixCache`'s LRU blocks when
-  short, and the request's prompt is cached at its end (``complete``); the
-  server's events reach P's mirror one WAN one-way delay later;
-* the WAN: each P's sender is a real :class:`~pddnet.transport.wan.Scheduler`
+* P (:class:`~pddnet.api.PrefillEndpoint`'s ``submit``): the prompt's chain
+  keys go through each MD's :class:`~pddnet.cache.CacheMirror` (``predict``)
+  to size the delta that MD lacks; P's :class:`~pddnet.route.Router` gets a
+  :class:`~pddnet.route.MainCandidate` per MD (delta, the bytes queued ahead
+  at P's sender to it, its load) and a :class:`~pddnet.route.RelayCandidate`
+  per RLD (the relays other P's hold on it), decides MD, route and RLD
+  (``decide``), is told when RLD lets go (``release``) and what a large WAN
+  transfer measured (``update_link(main=...)``);
+* MD (``CachedGrants``): the offer's prompt is matched and pinned on MD's
+  :class:`~pddnet.cache.RadixCache` (what ``CacheServer.handle_plan`` does
+  after decoding the prompt's varints, which the simulation skips), blocks
+  are taken from MD's pool, evicting the cache's LRU blocks when short, and
+  the prompt is cached at the request's end (``CacheServer.complete``'s
+  insert and unpin); :meth:`~pddnet.cache.CacheServer.events` numbers the
+  tree's changes, which reach P's mirrors one WAN one-way delay later;
+* the WAN: each (P, MD) sender is a real :class:`~pddnet.transport.wan.Scheduler`
   whose streams pull chunks (``next_chunk``) and get acknowledgements
   (``on_ack``) from the link model;
 * the handoff: one :class:`~pddnet.handoff.RelayHandoff` and one
@@ -29,10 +34,10 @@ them:
 
 What is modelled rather than run: engine forward passes (:class:`EngineModel`),
 the link (:class:`WanModel`), P's own prefix cache (it holds each session's
-previous prompt), the choice of P and MD (sticky per session) and of RLD (the
-least loaded). MD's machine is fed the first token it emits and the last one;
-the tokens between them only advance the engine's step counter (the machine
-does nothing with them but emit).
+previous prompt) and the choice of P (sticky per session). MD's machine is
+fed the first token it emits and the last one; the tokens between them only
+advance the engine's step counter (the machine does nothing with them but
+emit).
 """
 
 from __future__ import annotations
