@@ -17,10 +17,8 @@ records anyway, so there is no joining copy either).
 from __future__ import annotations
 
 import errno
-import select
 import socket
 import ssl
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -34,7 +32,6 @@ __all__ = [
     "EndOfStream",
     "FrameReader",
     "Revoked",
-    "WritePump",
     "accept",
     "close",
     "connect",
@@ -184,133 +181,27 @@ async def _recv_exact_tls(sock: ssl.SSLSocket, mv: memoryview, permit: Permit | 
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
-def _advance(bufs: list[memoryview], i: int, n: int) -> int:
-    """Drop ``n`` sent bytes from ``bufs[i:]``; returns the index of the first unsent buffer."""
-    while n:
-        head = bufs[i]
-        if n >= len(head):
-            n -= len(head)
-            i += 1
-        else:
-            bufs[i] = head[n:]
-            n = 0
-    return i
-
-
-def _sendmsg_once(sock: socket.socket, bufs: list[memoryview], i: int) -> tuple[int, bool]:
-    """One non-blocking ``sendmsg`` of ``bufs[i:]``: the next unsent index, and
-    whether the socket took everything offered (False: it is full for now)."""
-    part = bufs[i : i + _IOV_MAX]
-    try:
-        n = sock.sendmsg(part)
-    except BlockingIOError:
-        return i, False
-    return _advance(bufs, i, n), n == sum(len(b) for b in part)
-
-
 async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """Send every buffer in order with ``sendmsg`` (gather write, no joining copy).
-
-    A short write means the socket is full (below ``TCP_NOTSENT_LOWAT`` it would
-    have taken more), so it waits for room at once rather than retrying into
-    ``EAGAIN``: one system call and one exception fewer per wake-up.
-    """
+    """Send every buffer in order with ``sendmsg`` (gather write, no joining copy)."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if isinstance(sock, ssl.SSLSocket):
         await _send_all_tls(sock, bufs)
         return
     i = 0
     while i < len(bufs):
-        i, took_all = _sendmsg_once(sock, bufs, i)
-        if not took_all:
+        try:
+            n = sock.sendmsg(bufs[i : i + _IOV_MAX])
+        except BlockingIOError:
             await trio.lowlevel.wait_writable(sock)
-
-
-@dataclass(eq=False)
-class _Job:
-    sock: socket.socket
-    bufs: list[memoryview]
-    i: int
-    done: trio.Event = field(default_factory=trio.Event)
-    error: OSError | None = None
-
-
-class WritePump:
-    """Finishes the large writes of many plain sockets from one task.
-
-    ``await pump.send(sock, bufs)`` sends what the socket takes at once; if that
-    is not everything, the rest waits for the pump, which watches every such
-    socket in one edge-triggered ``epoll`` of its own. One wake-up of the pump
-    serves every socket that has room, each with ``sendmsg`` calls in a loop,
-    and the waiting task is woken once, when its buffers are all sent.
-
-    Why: a 1 MiB chunk into a socket with a 256 KiB ``TCP_NOTSENT_LOWAT`` is
-    seven or eight waits for room. With :func:`send_all` each wait is a pass of
-    trio's scheduler for that task and two ``epoll_ctl`` calls (trio registers
-    and drops the interest every time); here it is one ``epoll_ctl`` pair per
-    chunk and a loop iteration per wake (docs/wan.md "CPU per GB").
-
-    Not for TLS sockets (their writes can need reads; see :func:`send_all`).
-    Run :meth:`run` in a nursery for as long as :meth:`send` is used.
-    """
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll()
-        self._jobs: dict[int, _Job] = {}
-
-    async def send(self, sock: socket.socket, bufs: list[memoryview]) -> None:
-        """Send every buffer in order, as :func:`send_all`.
-
-        Cancellation: the pump forgets the socket at once; part of the buffers
-        may have been sent.
-
-        Raises:
-            OSError: on a socket error.
-        """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        i, took_all = 0, True
-        while took_all and i < len(bufs):
-            i, took_all = _sendmsg_once(sock, bufs, i)
-        if i == len(bufs):
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        fd = sock.fileno()
-        job = self._jobs[fd] = _Job(sock, bufs, i)
-        self._epoll.register(fd, select.EPOLLOUT | select.EPOLLET)
-        try:
-            await job.done.wait()
-        finally:
-            if self._jobs.get(fd) is job:  # cancelled before the pump finished it
-                del self._jobs[fd]
-                if not self._epoll.closed:
-                    self._epoll.unregister(fd)
-        if job.error is not None:
-            raise job.error
-
-    async def run(self) -> None:
-        """Serve :meth:`send` until cancelled; closes the pump's ``epoll`` at the end."""
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(self._epoll)
-                for fd, _ in self._epoll.poll(0):
-                    job = self._jobs.get(fd)
-                    if job is not None:
-                        self._advance(fd, job)
-        finally:
-            self._epoll.close()
-
-    def _advance(self, fd: int, job: _Job) -> None:
-        try:
-            took_all = True
-            while took_all and job.i < len(job.bufs):
-                job.i, took_all = _sendmsg_once(job.sock, job.bufs, job.i)
-        except OSError as exc:
-            job.error = exc
-        if job.error is None and job.i < len(job.bufs):
-            return  # full again: edge-triggered, the next room wakes us
-        del self._jobs[fd]
-        self._epoll.unregister(fd)
-        job.done.set()
+            continue
+        while n:
+            head = bufs[i]
+            if n >= len(head):
+                n -= len(head)
+                i += 1
+            else:
+                bufs[i] = head[n:]
+                n = 0
 
 
 async def _send_all_tls(sock: ssl.SSLSocket, bufs: list[memoryview]) -> None:

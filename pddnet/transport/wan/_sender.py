@@ -3,10 +3,7 @@
 Each stream runs two tasks: a send loop that waits until its socket is
 writable (below ``TCP_NOTSENT_LOWAT``), *then* pulls the next chunk from the
 shared :class:`~._scheduler.Scheduler` (so the choice is made as late as
-possible and priority works), and an ack loop that reads link frames.
-What of a chunk a plain socket does not take at once is written by one
-:class:`~._io.WritePump` task shared by all streams, which wakes the send loop
-once per chunk, not once per wait for room (docs/wan.md "CPU per GB"). A
+possible and priority works), and an ack loop that reads link frames. A
 stream that fails hands its unacknowledged chunks back to the scheduler and
 reconnects with exponential backoff. A sampling task reads ``TCP_INFO`` from
 every stream and applies the pacer's decisions. A timer task enforces
@@ -26,7 +23,6 @@ import logging
 import math
 import secrets
 import socket
-import ssl
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +45,7 @@ from ...wire._auth import AuthRole
 from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
 from ._framing import K_MAX_PAD, LinkCode, LinkFrame, LinkKind
-from ._io import EndOfStream, FrameReader, WritePump, close, connect, digest_of, send_all
+from ._io import EndOfStream, FrameReader, close, connect, digest_of, send_all
 from ._pacer import Pacer, PacingDecision, TcpSample, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferFailed, TransferProgress
 from ._sockopts import (
@@ -411,7 +407,6 @@ class WanSender(Sender):
         self._streams = [_Stream(i) for i in range(streams + express_streams)]
         self._transfers: dict[int, WanTransfer] = {}
         self._changed = trio.Event()
-        self._writes = WritePump()  # the chunks' writes on plain sockets
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._session = secrets.randbits(63)
@@ -422,7 +417,6 @@ class WanSender(Sender):
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         self._down_since = trio.current_time()
-        self._nursery.start_soon(self._writes.run)
         for s in self._streams:
             self._nursery.start_soon(self._run_stream, s)
         self._nursery.start_soon(self._timer_loop)
@@ -820,11 +814,7 @@ class WanSender(Sender):
         if ch.checksum is None:
             ch.checksum = digest_of(pieces, self.algo)
         header = ChunkHeader(ch.transfer_id, ch.lo, ch.length, ch.checksum, self.algo).encode()
-        bufs = [memoryview(header), *pieces]
-        if isinstance(sock, ssl.SSLSocket):
-            await send_all(sock, bufs)
-        else:  # the waits for room of every stream's chunk, batched in one task
-            await self._writes.send(sock, bufs)
+        await send_all(sock, [memoryview(header), *pieces])
         s.bytes_sent += ch.length
         s.chunks_sent += 1
 
