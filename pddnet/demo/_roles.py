@@ -40,7 +40,7 @@ from ..api import (
 from ..control import load_secret
 from ..handoff import DecodeEngine, HandoffParams
 from ..kv import KVPool
-from ..recompute import TINY, PagedSequence, ReferenceModel, greedy
+from ..recompute import TINY, ReferenceModel, greedy
 from ..route import LinkEstimate, Route, RoutePolicy, Router
 from ..transport.wan import WanReceiver
 from ._workload import DemoRequest, make_sessions
@@ -98,11 +98,6 @@ class _Frontend:
     def __init__(self) -> None:
         self.records: dict[int, dict[str, Any]] = {}
         self.released: dict[int, trio.Event] = {}
-        # one prefill at a time, on a worker thread: a prefill on P's event loop
-        # held up the endpoint (its transfers, its token sink) for every session
-        # that had already submitted, and the first turns' TTFT grew with each
-        # prefill queued before them (issue 21)
-        self.prefill = trio.CapacityLimiter(1)
 
 
 async def prefill(cfg: dict[str, Any]) -> None:
@@ -203,11 +198,6 @@ def close_record(rec: dict[str, Any], stream: TokenStream, t0: float) -> None:
     )
 
 
-def _prefill(model: ReferenceModel, seq: PagedSequence, tokens: list[int]) -> int:
-    """The first token of a prompt whose ``tokens`` extend ``seq`` (a worker thread)."""
-    return int(greedy(model.extend(seq, tokens)))
-
-
 async def _session(
     p: PrefillEndpoint,
     model: ReferenceModel,
@@ -228,9 +218,7 @@ async def _session(
         # P's own prefix cache: only the new part of the prompt is prefilled
         model.reserve(seq, len(req.prompt))
         seq.length = done_len
-        first = await trio.to_thread.run_sync(
-            _prefill, model, seq, list(req.prompt[done_len:]), limiter=front.prefill
-        )
+        first = greedy(model.extend(seq, list(req.prompt[done_len:])))
         done_len = len(req.prompt)
         rec["prefill_s"] = time.monotonic() - rec["t0"]
         blocks = seq.block_table[: -(-len(req.prompt) // model.block_size)].tolist()
