@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         )
         for point, s in rows:
             print(
-                f"{point!s:>8} {s['mean_prefix_hit']:6.3f} {s['ttft_p50_reduction']:10.1%} "
+                f"{point!s:>8} {s['mean_prefix_hit']:6.3f} {-s['ttft_p50_reduction']:+10.1%} "
                 f"{s['goodput_gain']:+8.1%} {s['bcr_gain']:+8.1%} {s['rld_token_share']:9.3f}"
             )
     else:
@@ -82,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
         ):
             print(f"{label:24} {b[key]:10.4g} {d[key]:10.4g}")
         print(
-            f"TTFT p50 -{s['ttft_p50_reduction']:.1%} (source -51.5%), p99 "
-            f"-{s['ttft_p99_reduction']:.1%}; goodput {s['goodput_gain']:+.1%} (source +27.8%); "
+            f"PDD vs baseline: TTFT p50 {-s['ttft_p50_reduction']:+.1%} (source -51.5%), p99 "
+            f"{-s['ttft_p99_reduction']:+.1%}; goodput {s['goodput_gain']:+.1%} (source +27.8%); "
             f"BCR {s['bcr_gain']:+.1%} (source +37.5%); RLD share {s['rld_token_share']:.3f} "
             f"(source 0.062)"
         )
