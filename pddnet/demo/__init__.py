@@ -25,6 +25,7 @@ KV transfer time to decode time realistic, and decode steps are paced to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -46,6 +47,7 @@ from ..handoff import HandoffParams
 from ..integrations.vllm import build_tiny_llama
 from ..recompute import TINY, ReferenceModel, greedy
 from ._local_path import choose_local_path, local_path_summary
+from ._zygote import RoleProcess, Zygote
 
 __all__ = [
     "add_arguments",
@@ -180,8 +182,8 @@ def _spawn_roles(
     cfg: dict[str, Any],
     addrs: dict[str, str],
     ports: dict[str, int],
-    spawners: dict[str, Callable[..., subprocess.Popen[str]]],
-) -> list[subprocess.Popen[str]]:
+    spawners: dict[str, Callable[..., RoleProcess]],
+) -> list[RoleProcess]:
     """Start the three role processes (P first: it hosts the rendezvous)."""
     env = {**os.environ, "PDDNET_SECRET": secrets.token_hex(32)}
     if cfg["engine"] == "vllm":
@@ -205,9 +207,16 @@ def _spawn_roles(
 
 
 def _run(
-    args: argparse.Namespace, cfg: dict[str, Any], tmp: Path, log: list[str]
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    tmp: Path,
+    log: list[str],
+    zygote: Zygote | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Run each phase with three fresh role processes on one link.
+
+    With ``zygote`` (``--engine vllm``) each role's process is forked from it,
+    in its host's namespace, instead of started from scratch.
 
     Returns:
         The link's description, and each phase's ``{"requests", "stats"}``.
@@ -219,7 +228,7 @@ def _run(
         name: str,
         addrs: dict[str, str],
         ports: dict[str, int],
-        spawners: dict[str, Callable[..., subprocess.Popen[str]]],
+        spawners: dict[str, Callable[..., RoleProcess]],
     ) -> None:
         path = tmp / f"{name}.json"
         procs = _spawn_roles({**cfg, "phase": name, "out": str(path)}, addrs, ports, spawners)
@@ -241,7 +250,10 @@ def _run(
             for i, name in enumerate(_PHASES):
                 # each role runs in its host's namespace; new ports for each phase
                 ports = {r: 5550 + 3 * i + j for j, r in enumerate(_ROLES)}
-                phase(name, addrs, ports, {r: h.spawn for r, h in hosts.items()})
+                spawn: dict[str, Callable[..., RoleProcess]] = {
+                    r: zygote.spawner(h.netns) if zygote else h.spawn for r, h in hosts.items()
+                }
+                phase(name, addrs, ports, spawn)
         return (
             f"emulated WAN ({wan.backend}): rtt {args.rtt}, rate {_rate(args)}, loss {args.loss}",
             out,
@@ -256,12 +268,12 @@ def _run(
             name,
             dict.fromkeys(_ROLES, "127.0.0.1"),
             {r: _free_port() for r in _ROLES},
-            dict.fromkeys(_ROLES, subprocess.Popen),
+            dict.fromkeys(_ROLES, zygote.spawner() if zygote else subprocess.Popen),
         )
     return "loopback (no WAN emulation)", out
 
 
-def _follow(procs: list[subprocess.Popen[str]], log: list[str], timeout: float = 600) -> None:
+def _follow(procs: Sequence[RoleProcess], log: list[str], timeout: float = 600) -> None:
     """Relay P's progress lines until P exits; the decoders are then stopped."""
     p = procs[0]
     assert p.stdout is not None
@@ -313,14 +325,18 @@ def reference_streams(records: list[dict[str, Any]]) -> dict[int, list[int]]:
 
 
 def vllm_reference_streams(
-    records: list[dict[str, Any]], model: str, tmp: Path
+    records: list[dict[str, Any]],
+    model: str,
+    tmp: Path,
+    spawn: Callable[..., RoleProcess] = subprocess.Popen,
 ) -> dict[int, list[int]]:
     """Single-instance vLLM greedy decoding of every request's prompt on ``model``.
 
     One vLLM instance without pddnet, in a process of its own
-    (``pddnet.demo._vllm_roles oracle``), decodes each distinct prompt to the
-    longest answer a record of it asks for; each record's reference is that
-    stream's first ``max_tokens`` (greedy: a shorter answer is a prefix).
+    (``pddnet.demo._vllm_roles oracle``, started by ``spawn``: the demo forks
+    it from its zygote), decodes each distinct prompt to the longest answer a
+    record of it asks for; each record's reference is that stream's first
+    ``max_tokens`` (greedy: a shorter answer is a prefix).
 
     Raises:
         RuntimeError: if that process failed (its output attached).
@@ -339,11 +355,14 @@ def vllm_reference_streams(
     }
     argv = [sys.executable, "-m", "pddnet.demo._vllm_roles", "oracle", json.dumps(cfg)]
     env = {"OMP_NUM_THREADS": K_VLLM_THREADS, **os.environ}  # as the roles (_spawn_roles)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"the vLLM oracle failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
-        )
+    proc = spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = proc.communicate(timeout=600)[0] or ""
+    finally:
+        proc.kill()
+        proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the vLLM oracle failed (exit {proc.returncode}):\n{output[-3000:]}")
     streams = dict(zip(prompts, json.loads(out.read_text()), strict=True))
     return {
         rec["request_id"]: streams[tuple(rec["prompt"])][: rec["max_tokens"]] for rec in records
@@ -538,15 +557,23 @@ def main(args: argparse.Namespace) -> int:
         + f"P->RLD local path asked: --local-path {args.local_path}"
     )
     log: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         references = reference_streams
+        zygote = None
         if args.engine == "vllm":
+            # first: its imports (~10 CPU s) overlap the model's build and the UCX probe
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", K_VLLM_THREADS),
+            }
+            zygote = stack.enter_context(Zygote(env))
             cfg["model"] = str(build_tiny_llama(Path(tmp) / "model"))
 
             def references(records: list[dict[str, Any]]) -> dict[int, list[int]]:
-                return vllm_reference_streams(records, cfg["model"], Path(tmp))
+                assert zygote is not None
+                return vllm_reference_streams(records, cfg["model"], Path(tmp), zygote.spawner())
 
-        link, phases = _run(args, cfg, Path(tmp), log)
+        link, phases = _run(args, cfg, Path(tmp), log, zygote)
         expected = 2 * cfg["sessions"] * cfg["turns"]
         return report(phases, link, args, expected=expected, t0=t0, references=references)
 

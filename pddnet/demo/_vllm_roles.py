@@ -29,6 +29,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -87,9 +88,11 @@ def prefill(cfg: dict[str, Any]) -> None:
             "wan_options": {"streams": 4},
         },
     )
+    t_build = time.monotonic()
     engine = vllm.LLMEngine.from_engine_args(
         vllm.EngineArgs(**engine_kwargs(cfg["model"], kv_transfer_config=kv))
     )
+    print(f"p: vLLM engine built in {time.monotonic() - t_build:.1f}s", flush=True)
     scheduler = engine.engine_core.engine_core.scheduler
     sync: SyncEndpoint = get_kv_transfer_group().endpoint
     prefills: queue.SimpleQueue[_Prefill | None] = queue.SimpleQueue()
@@ -236,8 +239,11 @@ def oracle(cfg: dict[str, Any]) -> None:
         json.dump(streams, f)
 
 
-def main() -> None:
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+def main(args: Sequence[str] | None = None) -> None:
+    """Run ``ROLE CONFIG_JSON`` (``sys.argv[1:]`` unless ``args`` is given:
+    :mod:`~pddnet.demo._zygote` passes them to the processes it forks)."""
+    role, config = args if args is not None else sys.argv[1:3]
+    cfg = json.loads(config)
     if role == "prefill":
         prefill(cfg)
     elif role == "oracle":
