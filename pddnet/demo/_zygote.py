@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import importlib
 import json
 import os
@@ -330,6 +331,10 @@ def serve(fd: int, preload: Iterable[str] = K_PRELOAD) -> None:
     apply_cpu_env()
     for name in preload:
         importlib.import_module(name)
+    # what was imported is permanent: no child's collection walks it (vLLM's
+    # engine build collects five times: 0.95 s of 2.2 without this, 0.03 with)
+    gc.collect()
+    gc.freeze()
     sock = socket.socket(fileno=fd)
     children: set[int] = set()
 
@@ -367,3 +372,4 @@ def serve(fd: int, preload: Iterable[str] = K_PRELOAD) -> None:
             with contextlib.suppress(OSError):
                 report(pid, status)
         sock.close()
+        gc.unfreeze()  # collected at exit as usual (frozen, triton's bindings report leaks)
