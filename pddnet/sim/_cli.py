@@ -26,6 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run baseline and PDD at each point of a sweep",
     )
     p.add_argument("--png", metavar="F", help="with --sweep: plot it to F")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        choices=(1, 2),
+        help="2: the baseline and PDD runs in two processes at once (the default on two or"
+        " more CPUs); 1: one after the other in this process",
+    )
 
 
 def _clean(obj: Any) -> Any:
@@ -51,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     sessions = args.sessions or (cfg.quick.sessions if args.quick else cfg.workload.sessions)
     out: dict[str, Any] = {"config": list(cfg.source), "source": SOURCE_RESULTS}
     if args.sweep:
-        points = sweep(cfg, args.sweep, sessions, progress=_progress)
+        points = sweep(cfg, args.sweep, sessions, progress=_progress, jobs=args.jobs)
         out["sweep"] = args.sweep
         out["points"] = points
         if args.png:
@@ -66,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
                 f"{s['goodput_gain']:+8.1%} {s['bcr_gain']:+8.1%} {s['rld_token_share']:9.3f}"
             )
     else:
-        res = run_pair(cfg, workload_for(cfg, sessions), progress=_progress)
+        res = run_pair(cfg, workload_for(cfg, sessions), progress=_progress, jobs=args.jobs)
         out.update(res)
         s, b, d = res["summary"], res["baseline"], res["pdd"]
         print(f"{'':24} {'baseline':>10} {'pdd':>10}   source (PDD vs its baseline)")

@@ -68,13 +68,21 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
-    """One GPU type: datasheet peaks and a price."""
+    """One GPU type: datasheet peaks and a price.
+
+    ``pace_s`` and ``per_request_s`` (both 0 unless given) describe an engine
+    that is not a GPU's roofline: ``pace_s`` is a sleep before every forward
+    pass (the demo's paced reference engine), ``per_request_s`` a fixed cost
+    per request in a pass (an engine that runs each request's pass in turn).
+    """
 
     name: str
     hbm_bytes_s: float
     flops: float
     memory_bytes: float
     price_per_hour: float
+    pace_s: float = 0.0
+    per_request_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,7 @@ class ClusterConfig:
     local_bandwidth_bytes_s: float
     local_rtt_s: float
     baseline_relay_as: str
+    sink: str = "decoder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,8 @@ class WanConfig:
     min_chunk_bytes: int
     hedge: bool
     timeout_s: float
+    slow_start_after_idle: bool = False
+    initial_window_segments: int = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +139,7 @@ class RouterConfig:
     admission: bool
     link_estimate: str
     md_capacity: int
+    link_bandwidth_bytes_s: float | str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +152,7 @@ class HandoffConfig:
     recompute_rate: float | str
     fallback: str
     max_stall_s: float
+    keep_strange_traffic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +235,16 @@ def _section(cls: type, table: Any, name: str) -> Any:
     if not isinstance(table, dict):
         raise SimConfigError("must be a table", key=name)
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
     for key in table:
         if key not in names:
             raise SimConfigError(f"unknown key (have {', '.join(names)})", key=f"{name}.{key}")
+    # a key with a default in the dataclass may be left out
+    table = {
+        **{f.name: f.default for f in fields if f.default is not dataclasses.MISSING},
+        **table,
+    }
     values = {}
     for key in names:
         if key not in table:
@@ -268,6 +287,7 @@ def _positive(cfg: SimConfig) -> None:
         ("wan.chunk_bytes", cfg.wan.chunk_bytes),
         ("wan.min_chunk_bytes", cfg.wan.min_chunk_bytes),
         ("wan.timeout_s", cfg.wan.timeout_s),
+        ("wan.initial_window_segments", cfg.wan.initial_window_segments),
         ("sla.ttft_s", cfg.sla.ttft_s),
         ("sla.tpot_s", cfg.sla.tpot_s),
         ("workload.sessions", cfg.workload.sessions),
@@ -309,16 +329,24 @@ def _check(cfg: SimConfig) -> None:
         raise SimConfigError("must be >= 0", key="cluster.relay")
     if c.baseline_relay_as not in ("prefill", "none"):
         raise SimConfigError('must be "prefill" or "none"', key="cluster.baseline_relay_as")
+    if c.sink not in ("decoder", "prefill"):
+        raise SimConfigError('must be "decoder" or "prefill"', key="cluster.sink")
+    for gname, g in cfg.gpu.items():
+        if g.pace_s < 0 or g.per_request_s < 0:
+            raise SimConfigError("must be >= 0", key=f"gpu.{gname}.pace_s/per_request_s")
     if not 0 <= w.loss < 1:
         raise SimConfigError("must lie in [0, 1)", key="wan.loss")
     if w.rtt_s < 0 or w.jitter_s < 0 or c.local_rtt_s < 0 or e.pass_overhead_s < 0:
         raise SimConfigError("delays must be >= 0", key="wan.rtt_s/jitter_s/local_rtt_s")
     for key, rate in (
         ("router.rld_decode_rate", cfg.router.rld_decode_rate),
+        ("router.link_bandwidth_bytes_s", cfg.router.link_bandwidth_bytes_s),
         ("handoff.recompute_rate", cfg.handoff.recompute_rate),
     ):
         if isinstance(rate, str) and rate != "auto":
             raise SimConfigError(f'a number or "auto", got {rate!r}', key=key)
+        if not isinstance(rate, str) and rate <= 0:
+            raise SimConfigError(f"must be > 0, got {rate}", key=key)
     if cfg.router.md_capacity < 0:
         raise SimConfigError("must be >= 0", key="router.md_capacity")
     if cfg.router.link_estimate not in ("sampled", "fair-share"):

@@ -19,7 +19,9 @@ K_MATHIS_C = math.sqrt(1.5)  # Mathis et al. 1997: rate <= MSS / RTT * sqrt(3/2)
 class EngineModel:
     """Forward-pass times of one GPU serving the model (a roofline).
 
-    A pass takes ``overhead + max(memory time, compute time)``:
+    A pass takes ``overhead + max(memory time, compute time)``, plus the
+    GPU type's ``pace_s`` and ``per_request_s`` for each request in it (both
+    0 for a GPU; the demo's reference engine has them):
 
     * memory time: the weights once, plus the KV read by attention, at
       ``mbu`` of the HBM bandwidth;
@@ -44,18 +46,22 @@ class EngineModel:
         self.gpu = gpu
         self._bw = gpu.hbm_bytes_s * engine.mbu
         self._flops = gpu.flops * engine.mfu
-        self._overhead = engine.pass_overhead_s
+        self._overhead = engine.pass_overhead_s + gpu.pace_s
+        self._per_request = gpu.per_request_s
         self._kvpt = model.kv_bytes_per_token
         self._weights_s = model.weight_bytes / self._bw
         self._dense = 2.0 * model.params  # FLOPs per token
         self._attn = 4.0 * model.layers * model.attn_width  # FLOPs per token per context token
 
-    def _pass_s(self, tokens: int, attended: float, kv_read_tokens: float) -> float:
-        """``tokens`` new tokens attending to ``attended`` context positions in
-        total, reading ``kv_read_tokens`` tokens' KV from HBM."""
+    def _pass_s(
+        self, tokens: int, attended: float, kv_read_tokens: float, requests: int = 1
+    ) -> float:
+        """``tokens`` new tokens of ``requests`` requests attending to
+        ``attended`` context positions in total, reading ``kv_read_tokens``
+        tokens' KV from HBM."""
         memory = self._weights_s + kv_read_tokens * self._kvpt / self._bw
         compute = (self._dense * tokens + self._attn * attended) / self._flops
-        return self._overhead + max(memory, compute)
+        return self._overhead + requests * self._per_request + max(memory, compute)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Prefill ``new_tokens`` after ``cached_tokens`` already in the KV cache."""
@@ -64,7 +70,7 @@ class EngineModel:
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """One decode step of ``batch`` requests holding ``context_tokens`` in all."""
-        return self._pass_s(batch, context_tokens, context_tokens)
+        return self._pass_s(batch, context_tokens, context_tokens, batch)
 
     def decode_steps_s(self, batch: int, context_tokens: int, steps: int) -> float:
         """``steps`` consecutive decode steps of ``batch`` requests, the context
@@ -85,18 +91,30 @@ class EngineModel:
         if mem_wins[0] != mem_wins[1]:
             return sum(self.decode_step_s(batch, context_tokens + i * batch) for i in range(steps))
         base, slope = (mem0, mem_slope) if mem_wins[0] else (cmp0, cmp_slope)
-        return steps * (self._overhead + base) + slope * steps * last / 2
+        fixed = self._overhead + batch * self._per_request
+        return steps * (fixed + base) + slope * steps * last / 2
 
     def extend_s(self, tokens: int, context_tokens: int) -> float:
         """One extend pass of ``tokens`` after ``context_tokens`` of one request."""
         return self.prefill_s(tokens, context_tokens)
 
     def step_with_extend_s(
-        self, batch: int, context_tokens: int, extend_tokens: int, extend_context: int
+        self,
+        batch: int,
+        context_tokens: int,
+        extend_tokens: int,
+        extend_context: int,
+        extend_requests: int = 1,
     ) -> float:
-        """A decode step with extend tokens batched into it (``batch_tails``)."""
+        """A decode step with the extend tokens of ``extend_requests`` requests
+        batched into it (``batch_tails``)."""
         attended = context_tokens + extend_tokens * (extend_context + extend_tokens / 2)
-        return self._pass_s(batch + extend_tokens, attended, context_tokens + extend_context)
+        return self._pass_s(
+            batch + extend_tokens,
+            attended,
+            context_tokens + extend_context,
+            batch + extend_requests,
+        )
 
     def kv_pool_tokens(self, reserve: float) -> int:
         """Tokens of KV the GPU's memory holds beside the weights."""
@@ -126,10 +144,30 @@ class WanModel:
             cap = min(cap, wan.mss_bytes / wan.rtt_s * K_MATHIS_C / math.sqrt(wan.loss))
         self.stream_cap_bytes_s = cap
         self.one_way_s = wan.rtt_s / 2
+        # Linux restarts an idle stream's window after one RTO: srtt plus at
+        # least TCP_RTO_MIN (200 ms)
+        self.rto_s = wan.rtt_s + 0.2
+        self._initial_window = wan.initial_window_segments * wan.mss_bytes
 
     def stream_rate(self, sending_streams: int) -> float:
         """Bytes/s of one stream while ``sending_streams`` (itself included) send."""
         return min(self.goodput_bytes_s / max(1, sending_streams), self.stream_cap_bytes_s)
+
+    def send_s(self, nbytes: int, rate: float, idle_s: float) -> float:
+        """Seconds one stream takes to put ``nbytes`` on the wire at ``rate``
+        after ``idle_s`` without sending.
+
+        With ``slow_start_after_idle`` a stream idle past its RTO starts
+        from the initial window: each round trip sends a window and doubles
+        it, until the window covers ``rate x RTT`` (then ``rate`` holds)."""
+        if not self.wan.slow_start_after_idle or idle_s <= self.rto_s or self.wan.rtt_s <= 0:
+            return nbytes / rate
+        t, left, window, full = 0.0, nbytes, self._initial_window, rate * self.wan.rtt_s
+        while window < full and left > window:
+            left -= window
+            t += self.wan.rtt_s
+            window *= 2
+        return t + left / rate
 
     def single_transfer_bytes_s(self) -> float:
         """Goodput one sender with the link to itself gets (the router's first estimate)."""

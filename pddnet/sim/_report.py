@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -121,24 +124,57 @@ def workload_for(cfg: SimConfig, sessions: int | None = None) -> Workload:
     return Workload.generate(cfg.workload, sessions)
 
 
+def default_jobs() -> int:
+    """Processes for a pair of runs: two where the machine has two CPUs."""
+    return min(2, os.cpu_count() or 1)
+
+
+def _run_one(cfg: SimConfig, workload: Workload, mode: str) -> tuple[dict[str, Any], float]:
+    """One run's metrics and the CPU seconds it took (in whichever process runs it)."""
+    c0 = time.process_time()
+    result = Simulation(cfg, workload, baseline=mode == "baseline").run()
+    return run_metrics(result, cfg), time.process_time() - c0
+
+
 def run_pair(
-    cfg: SimConfig, workload: Workload, *, progress: Callable[[str], None] | None = None
+    cfg: SimConfig,
+    workload: Workload,
+    *,
+    progress: Callable[[str], None] | None = None,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
     """Baseline and PDD on the same workload and cluster: both runs' metrics,
-    the comparison, and the simulator's own speed."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    runs = {}
-    for mode in ("baseline", "pdd"):
-        if progress:
+    the comparison, and the simulator's own speed.
+
+    Args:
+        cfg: the configuration.
+        workload: the sessions both runs serve.
+        progress: called with a line as each run starts.
+        jobs: 2 runs the two in two forked processes at once (each run is
+            deterministic and independent of the other, so the results are
+            those of running them one after the other, which ``jobs=1``
+            does in this process); default :func:`default_jobs`.
+    """
+    modes = ("baseline", "pdd")
+    t0 = time.perf_counter()
+    if progress:
+        for mode in modes:
             progress(f"sim: {mode}: {workload.requests} requests")
-        result = Simulation(cfg, workload, baseline=mode == "baseline").run()
-        runs[mode] = run_metrics(result, cfg)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if (jobs or default_jobs()) >= 2:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+            futures = [pool.submit(_run_one, cfg, workload, mode) for mode in modes]
+            done = [f.result() for f in futures]
+    else:
+        done = [_run_one(cfg, workload, mode) for mode in modes]
+    runs = {mode: metrics for mode, (metrics, _) in zip(modes, done, strict=True)}
+    wall, cpu = time.perf_counter() - t0, sum(c for _, c in done)
     summary = compare(runs["baseline"], runs["pdd"])
     simulated = runs["baseline"]["requests"] + runs["pdd"]["requests"]
     summary.update(
         requests_simulated=runs["pdd"]["requests"],
         runs=2,
+        jobs=jobs or default_jobs(),
         wall_s=wall,
         cpu_s=cpu,
         sim_requests_per_s=simulated / wall if wall > 0 else math.inf,
@@ -156,6 +192,7 @@ def sweep(
     sessions: int,
     *,
     progress: Callable[[str], None] | None = None,
+    jobs: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run baseline and PDD at each point of a sweep.
 
@@ -188,7 +225,7 @@ def sweep(
     out = []
     for value, c in points:
         w = workload_for(c, sessions)
-        res = run_pair(c, w, progress=progress)
+        res = run_pair(c, w, progress=progress, jobs=jobs)
         out.append({"point": value, **res})
         if progress:
             s = res["summary"]

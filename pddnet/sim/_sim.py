@@ -43,6 +43,7 @@ emit).
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from typing import Any
 
 from ..cache import CacheMirror, CacheServer, Match, RadixCache, block_hashes
 from ..handoff import (
+    AbortReason,
     CancelTransfer,
     Done,
     Emit,
@@ -93,6 +95,8 @@ __all__ = ["RequestResult", "RunResult", "Simulation"]
 K_BANDWIDTH_SAMPLE_BYTES = 1 << 20  # as PrefillEndpoint: smaller transfers measure the RTT
 K_UNLIMITED = 1 << 40
 
+_push = heapq.heappush
+
 
 class EventLoop:
     """A heap of timed callbacks; :meth:`run` executes them in time order."""
@@ -101,12 +105,18 @@ class EventLoop:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
-        self.events = 0
+
+    @property
+    def events(self) -> int:
+        """Events run so far."""
+        return self._seq - len(self._heap)
 
     def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at simulated time ``when`` (never before now)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(when, self.now), self._seq, fn, args))
+        if when < self.now:
+            when = self.now
+        _push(self._heap, (when, self._seq, fn, args))
 
     def run(self) -> None:
         """Run every event, including those the events schedule."""
@@ -115,7 +125,6 @@ class EventLoop:
         while heap:
             when, _, fn, args = pop(heap)
             self.now = when
-            self.events += 1
             fn(*args)
 
 
@@ -133,7 +142,7 @@ class RequestResult:
     arrival: float
     prefilled: float | None
     kv_landed: float | None
-    first_token: float | None
+    first_token: float | None  # at the user's stream (cluster.sink)
     finished: float | None
     rld_tokens: int
     md_tokens: int
@@ -183,6 +192,7 @@ class _Req:
         "first_at",
         "freed",
         "hit_blocks",
+        "keep",
         "landed",
         "landed_at",
         "main",
@@ -229,6 +239,7 @@ class _Req:
         self.match: Match | None = None
         self.owned: list[int] = []
         self.landed = self.freed = self.released = False
+        self.keep = False  # MD keeps a transfer RLD no longer needs (keep_strange_traffic)
         self.prefilled: float | None = None
         self.landed_at: float | None = None
         self.md_member = self.rld_member = False
@@ -364,7 +375,9 @@ class _Engine:
             riding = [(r, s + k) for r, s, k in self.extends]
             k_all = sum(k for _, _, k in self.extends)
             ectx = sum(r.turn.prompt + s for r, s, _ in self.extends)
-            dt = self.model.step_with_extend_s(len(self.members), self.ctx, k_all, ectx)
+            dt = self.model.step_with_extend_s(
+                len(self.members), self.ctx, k_all, ectx, len(self.extends)
+            )
             self.extends.clear()
             self._start(now, 1, len(self.members), self.ctx, riding, dt)
         elif self.members:
@@ -422,6 +435,7 @@ class _Sender:
         self.sched.active_streams = w.streams
         self.hedge = w.hedge
         self.idle = list(range(w.streams))
+        self.last_sent = [-math.inf] * w.streams  # when each stream last sent (a new one: never)
         self.reqs: dict[int, tuple[_Req, float]] = {}  # transfer id -> (request, started)
         self.received: dict[int, int] = {}
         self.delivered: set[tuple[int, int]] = set()
@@ -454,7 +468,9 @@ class _Sender:
                 break
             self.idle.pop()
             sim.sending += 1
-            dt = ch.length / sim.wan.stream_rate(sim.sending)
+            rate = sim.wan.stream_rate(sim.sending)
+            dt = sim.wan.send_s(ch.length, rate, now - self.last_sent[stream])
+            self.last_sent[stream] = now + dt
             sim.loop.at(now + dt, self._stream_free, stream)
             arrive = now + dt + sim.wan.one_way_s + abs(sim.rng.gauss(0.0, sim.cfg.wan.jitter_s))
             sim.loop.at(arrive, self._deliver, stream, ch.transfer_id, ch.lo, ch.hi)
@@ -512,6 +528,8 @@ class _Sender:
                 req, started = entry
                 if isinstance(ev, TransferCompleted):
                     self.sim.transfer_completed(req, started)
+                else:
+                    self.sim.transfer_failed(req)
 
 
 class Simulation:
@@ -568,6 +586,17 @@ class Simulation:
         self.sending = 0
         self.results: list[RequestResult] = []
         self._rid = 0
+        self._keep = cfg.handoff.keep_strange_traffic
+        # the hop from the decoder that emits a token to the user's stream:
+        # none at the decoder; with the sink on P (as PrefillEndpoint's token
+        # sink), RLD's tokens cross DC-A and MD's the WAN
+        at_p = c.sink == "prefill"
+        self._sink_rld = c.local_rtt_s / 2 if at_p else 0.0
+        self._sink_md = self.wan.one_way_s if at_p else 0.0
+        # per running session: its longest prompt's token ids, their chain
+        # keys (array and list); every turn's prompt is a prefix of it, so its
+        # ids and full-block keys are slices (block_hashes is a chain)
+        self._streams: dict[int, tuple[Any, Any, list[int]]] = {}
 
     # ------------------------------------------------------------- policies
     def _relay_model(self) -> EngineModel:
@@ -601,7 +630,10 @@ class Simulation:
             )
         except ValueError as exc:
             raise SimConfigError(str(exc), key="router") from exc
-        return Router(policy, LinkEstimate(self.wan.single_transfer_bytes_s(), self.cfg.wan.rtt_s))
+        link = r.link_bandwidth_bytes_s
+        if isinstance(link, str):  # "auto": what one sender gets on the idle link
+            link = self.wan.single_transfer_bytes_s()
+        return Router(policy, LinkEstimate(float(link), self.cfg.wan.rtt_s))
 
     def _handoff_params(self, md: EngineModel) -> HandoffParams:
         h = self.cfg.handoff
@@ -662,14 +694,25 @@ class Simulation:
         """PrefillEndpoint.submit: plan the delta, route, offer to the decoders."""
         now = req.prefilled = self.loop.now
         t = req.turn
-        tokens = req.tokens = session_tokens(t.session, t.prompt, self.workload.system_prompt)
-        keys = block_hashes(tokens, self.block)
+        stream = self._streams.get(t.session)
+        if stream is None:
+            longest = max(turn.prompt for turn in req.cursor[0])
+            ids = session_tokens(t.session, longest, self.workload.system_prompt)
+            all_keys = block_hashes(ids, self.block)
+            stream = self._streams[t.session] = (ids, all_keys, all_keys.tolist())
+        full = t.prompt // self.block
+        tokens = req.tokens = stream[0][: t.prompt]
+        keys = stream[1][:full]
+        key_list = stream[2][:full]  # probed per MD, as PrefillEndpoint._candidates does
         req.nblocks = nblocks = -(-t.prompt // self.block)
-        key_list = keys.tolist()  # probed per MD, as PrefillEndpoint._candidates does
         capacity = self.cfg.router.md_capacity
         mains = []
         for i, name in enumerate(self.main_names):
-            delta = (nblocks - self.mirrors[i].predict(key_list)) * self.block_bytes
+            mirror = self.mirrors[i]
+            # an empty mirror predicts nothing (the simulation never calls
+            # CacheMirror.expect), so its predict is skipped
+            hit = mirror.predict(key_list) if len(mirror) else 0
+            delta = (nblocks - hit) * self.block_bytes
             sender = self.senders.get((req.p, i))
             ahead = sender.sched.bytes_ahead(delta) if sender is not None else 0
             mains.append(MainCandidate(name, delta, ahead, self.md_active[i], capacity))
@@ -759,6 +802,8 @@ class Simulation:
         req.landed_at = self.loop.now
         if req.main is not None and not req.main.done:
             self._feed_main(req, KvLanded())
+        elif req.keep:
+            self._md_free(req)
 
     def _sender(self, req: _Req) -> _Sender:
         key = (req.p, req.md)
@@ -814,9 +859,16 @@ class Simulation:
         last = req.turn.output - 1
         self._feed_main(req, TokenGenerated(req.token(last), req.finish_at(last)))
 
+    def transfer_failed(self, req: _Req) -> None:
+        """P's transfer failed (deadline) or was cancelled: a kept one frees MD's blocks now."""
+        if req.keep:
+            req.keep = False
+            self._md_free(req)
+
     def _md_free(self, req: _Req) -> None:
-        """CachedGrants.free: cache the prompt's blocks if its KV landed, free the rest."""
-        if req.freed or req.main is None:
+        """CachedGrants.free: cache the prompt's blocks if its KV landed, free the rest
+        (with keep_strange_traffic, a kept transfer's blocks once it lands)."""
+        if req.freed or req.main is None or (req.keep and not req.landed):
             return
         req.freed = True
         self.md_active[req.md] -= 1
@@ -891,7 +943,7 @@ class Simulation:
         for o in outs:
             if isinstance(o, Emit):
                 if req.first_at is None:
-                    req.first_at = now
+                    req.first_at = now + (self._sink_rld if relay else self._sink_md)
                 if relay:
                     req.rld_tokens += 1
                 else:
@@ -903,7 +955,10 @@ class Simulation:
                 dest = self._to_main if relay else self._to_relay
                 self.loop.at(now + self.wan.one_way_s, dest, req, o.message)
             elif isinstance(o, CancelTransfer):
-                self._sender(req).cancel(req.rid)
+                if self._keep and o.reason in (AbortReason.RLD_FINISHED, AbortReason.FALLBACK):
+                    req.keep = True  # the transfer goes on to feed MD's cache
+                else:
+                    self._sender(req).cancel(req.rid)
             elif isinstance(o, FreeBlocks):
                 self._md_free(req)
             elif isinstance(o, StartRecompute):
@@ -1013,6 +1068,8 @@ class Simulation:
         turns, k = req.cursor
         if k + 1 < len(turns):
             self.loop.at(self.loop.now + turns[k + 1].delay_s, self._arrive, turns, k + 1)
+        else:
+            self._streams.pop(t.session, None)
 
     def _result(self) -> RunResult:
         stats = [s.cache.statistics() for s in self.servers]
