@@ -153,8 +153,12 @@ async def test_a_prefix_in_flight_counts_as_missing_and_as_queued_ahead() -> Non
     """A's KV is still on its way to md0 (held back: layer by layer, nothing
     ready) when B, which extends A, is routed: md0's mirror does not count
     A's blocks, and A's bytes are ahead of B's at md0's sender, so md1 (the
-    same delta, nothing queued) gets B."""
+    same delta, nothing queued) gets B. Both links are measured (as after a
+    first large transfer to each): an unmeasured md1 would share the link
+    with A's flow, and B would land no sooner there."""
     async with cluster(0, 2) as (pm, p, _, _mds):
+        for md in ("md0", "md1"):
+            p.router.update_link(bandwidth_bytes_s=SLOW.bandwidth_bytes_s, main=md)
         rng = np.random.default_rng(9)
         a = rng.integers(0, TINY.vocab_size, 400).tolist()
         b = a + rng.integers(0, TINY.vocab_size, 20).tolist()
@@ -199,3 +203,85 @@ async def test_with_no_relay_connected_the_router_sheds_to_p_md() -> None:
             assert sub.relay == "" and sub.main == "md0" and p.router.active_relays == 0
             assert len(await stream.result()) == MAX_TOKENS
             assert (await p.next_event()).error is None
+
+
+async def test_the_relay_slot_is_held_until_rld_lets_go_and_every_end_gives_it_back() -> None:
+    """The simulator's finding 3: P held a request's RLD slot only until its
+    P->RLD transfer ended, before RLD decoded a token. It must hold it while
+    RLD serves the stream, until MD's first token (the handover) or the end,
+    and give it back on an abort too."""
+    async with cluster(1, 1) as (pm, p, _rlds, _mds):
+        rng = np.random.default_rng(11)
+        with trio.fail_after(30):
+            for rid in (1, 2):
+                prompt = rng.integers(0, TINY.vocab_size, 200).tolist()
+                seq = pm.new_sequence()
+                pm.reserve(seq, len(prompt))
+                first = greedy(pm.extend(seq, prompt))
+                stream = p.sink.open(rid, deadline_s=30, max_tokens=MAX_TOKENS)
+                sub = await p.submit(
+                    rid, prompt, seq.block_table.tolist(), first, MAX_TOKENS, sink="p", ready=False
+                )
+                assert sub.decision.route is Route.P_RLD_MD and sub.relay == "rld0"
+                # loopback is no WAN: hold MD's KV back until RLD decoded a few
+                for layer in range(TINY.num_layers):
+                    p.mark_layer_ready(rid, layer, dest="rld0")
+                if rid == 2:
+                    await p.abort(rid)
+                    assert p.router.active_relays == 0
+                    break
+                # each eager token RLD decoded (its KV had landed: the P->RLD
+                # transfer was over) before MD's first one reached the sink
+                held = []
+                async for token in stream:
+                    if token.source == "rld0" and token.position > 0:
+                        held.append(p.router.active_relays)
+                        if len(held) == 3:  # now let MD's KV go: the handover follows
+                            for layer in range(TINY.num_layers):
+                                p.mark_layer_ready(rid, layer, dest="md0")
+                assert len(held) >= 3 and held[:3] == [1, 1, 1], held
+                assert "md0" in {t.source for t in stream.received}  # handed over
+                assert p.router.active_relays == 0
+                assert p.router.statistics().by_relay == {}
+
+
+async def test_p_passes_each_mds_load_and_the_router_weighs_it() -> None:
+    """The simulator's finding 1 at the endpoint: P states each MD's load
+    (its own requests open there, or the cluster's through set_main_load)
+    and its capacity, and a busy MD that holds the prefix loses a new
+    request to an idle one when its batch costs more than the bytes saved."""
+    async with cluster(0, 2) as (pm, p, _, _mds):
+        fast = LinkEstimate(bandwidth_bytes_s=1e9, rtt_s=0.001)
+        for md in ("md0", "md1"):
+            p.router.update_link(bandwidth_bytes_s=fast.bandwidth_bytes_s, rtt_s=0.001, main=md)
+        rng = np.random.default_rng(12)
+        a = rng.integers(0, TINY.vocab_size, 200).tolist()
+        b = a + rng.integers(0, TINY.vocab_size, 20).tolist()
+        with trio.fail_after(30):
+            seq = pm.new_sequence()
+            pm.reserve(seq, len(b))
+            first = greedy(pm.extend(seq, a))
+            stream_a = p.sink.open(1, deadline_s=30, max_tokens=MAX_TOKENS)
+            await p.submit(1, a, seq.block_table.tolist(), first, MAX_TOKENS, sink="p", main="md0")
+            # while request 1 is open at md0, P counts it there
+            other = rng.integers(0, TINY.vocab_size, 200).tolist()
+            probe, _ = p._candidates(np.asarray(other), 13, None)
+            assert [(c.name, c.active, c.capacity) for c in probe] == [
+                ("md0", 1, 32),
+                ("md1", 0, 32),
+            ]
+            await stream_a.result()
+            await wait_cached(p, "md0", a)
+            while [c.active for c in p._candidates(np.asarray(other), 13, None)[0]] != [0, 0]:
+                await trio.sleep(0.001)  # its stream ended: P's follower lets go
+            # the directory says md0 is nearly full with other P's requests
+            p.set_main_load("md0", 30, 32)
+            first_b = greedy(pm.extend(seq, b[len(a) :]))
+            stream_b = p.sink.open(2, deadline_s=30, max_tokens=MAX_TOKENS)
+            sub = await p.submit(2, b, seq.block_table.tolist(), first_b, MAX_TOKENS, sink="p")
+            # md0 lacks 2 blocks, md1 all 14: 0.2 ms more on this link, against
+            # 0.05 * 30/32 = 47 ms of md0's batch
+            assert sub.main == "md1" and sub.hit_blocks == 0
+            md0 = next(c for c in sub.decision.candidates if c.name == "md0")
+            assert (md0.active, md0.verdict) == (30, Verdict.LANDS_LATER)
+            await stream_b.result()

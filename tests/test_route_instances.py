@@ -80,7 +80,8 @@ def test_a_long_queue_outweighs_affinity_and_near_ties_go_to_the_least_loaded() 
     )
     assert d.main == "md1"
     assert verdicts(d)["md0"] is Verdict.LANDS_LATER
-    # a new prompt (no MD holds it), empty queues: the less loaded MD
+    # a new prompt (no MD holds it), empty queues: the less loaded MD, whose
+    # batch adds md_load_s * 3/16 against md0's 9/16
     d = r.decide(
         req(
             2,
@@ -89,13 +90,44 @@ def test_a_long_queue_outweighs_affinity_and_near_ties_go_to_the_least_loaded() 
         ),
         0.0,
     )
+    assert d.main == "md1" and verdicts(d)["md0"] is Verdict.LANDS_LATER
+    # equal loads within tie_s (1 ms = 3 KB here): the one holding more wins
+    near = MainCandidate("md0", 600 * KB + 2 * KB, active=1, capacity=16)
+    even = MainCandidate("md1", 600 * KB, active=1, capacity=16)
+    d = r.decide(req(3, near, even), 0.0)
     assert d.main == "md1" and verdicts(d)["md0"] is Verdict.MORE_LOADED
-    # within tie_s (1 ms = 3 KB here) counts as a tie; beyond it, the sooner wins
-    near = MainCandidate("md0", 600 * KB + 2 * KB, active=0, capacity=16)
-    far = MainCandidate("md0", 600 * KB + 6 * KB, active=0, capacity=16)
-    busy = MainCandidate("md1", 600 * KB, active=8, capacity=16)
-    assert r.decide(req(3, near, busy), 0.0).main == "md0"
-    assert r.decide(req(4, far, busy), 0.0).main == "md1"
+
+
+def test_load_is_weighed_against_landing_time_not_only_within_a_tie() -> None:
+    """The simulator's finding 1: an MD that cached the shared system prompt
+    must not take every cold session. Its smaller delta lands 40 ms sooner;
+    a batch 7/8 full costs 0.05 * 7/8 = 44 ms more, so the idle MD wins;
+    at 6/8 (37.5 ms) the cached one still does."""
+    r = Router(POLICY, LINK)
+    cached = 600 * KB - 120_000  # 40 ms less at 3 MB/s
+    for active, want in ((7, "md1"), (6, "md0")):
+        d = r.decide(
+            req(
+                active,
+                MainCandidate("md0", cached, active=active, capacity=8),
+                MainCandidate("md1", 600 * KB, active=0, capacity=8),
+            ),
+            0.0,
+        )
+        assert d.main == want, active
+    # a stream of cold sessions spreads: each one P sends raises that MD's load
+    load = {"md0": 0, "md1": 0}
+    for rid in range(100, 116):
+        d = r.decide(
+            req(
+                rid,
+                MainCandidate("md0", cached, active=load["md0"], capacity=8),
+                MainCandidate("md1", 600 * KB, active=load["md1"], capacity=8),
+            ),
+            0.0,
+        )
+        load[d.main] += 1
+    assert load["md0"] < 12 and load["md1"] >= 4, load
 
 
 def test_an_md_at_capacity_is_passed_over_unless_all_are() -> None:
@@ -169,6 +201,21 @@ def test_per_md_link_estimates() -> None:
     assert r.statistics().links == {"md1": LinkEstimate(30e6, 0.03), "md0": LinkEstimate(3e6, 0.04)}
     r.forget("md1")
     assert r.link_for("md1") == LINK
+
+
+def test_an_unsampled_md_shares_the_link_with_the_flows_on_it() -> None:
+    """The simulator's finding 2: an MD without a measured transfer does not
+    get the full link while P's senders to other MDs are busy."""
+    r = Router(POLICY, LINK)
+    r.update_link(bandwidth_bytes_s=2e6, main="md0")  # measured: its own, undivided
+    busy = MainCandidate("md0", 24 * KB, bytes_ahead=300 * KB)
+    fresh = MainCandidate("md1", 300 * KB)  # the whole link: 0.1 s, sooner than md0
+    d = r.decide(req(1, busy, fresh), 0.0)
+    # md1 shares the 3 MB/s with md0's flow: 1.5 MB/s, not the whole link
+    assert d.candidates[1].transfer_s == pytest.approx(0.03 + 300 * KB / 1.5e6)
+    assert d.main == "md0" and d.transfer_s == pytest.approx(0.03 + 324 * KB / 2e6)
+    assert r.link_for("md2", flows=3) == LinkEstimate(1e6, 0.03)
+    assert r.link_for("md0", flows=3) == LinkEstimate(2e6, 0.03)
 
 
 def test_a_forced_route_still_picks_instances_and_holds_no_slot() -> None:

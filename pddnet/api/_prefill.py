@@ -60,7 +60,7 @@ from ._messages import (
     StatsReply,
     StatsRequest,
 )
-from ._sink import TokenSink
+from ._sink import TokenSink, TokenStream
 
 __all__ = ["BlocksReleased", "PrefillEndpoint", "PrefillStatistics", "Submission"]
 
@@ -128,6 +128,8 @@ class _Req:
     told: set[str] = field(default_factory=set)  # decoders sent the FirstToken
     released: bool = False  # its blocks went back (kept while it awaits its token)
     aborted: bool = False
+    stream: TokenStream | None = None  # this endpoint is its sink
+    eager_s: float = 0.0  # the relay's planned length: its eager tokens at RLD's rate
 
     @property
     def awaits_token(self) -> bool:
@@ -154,6 +156,9 @@ class PrefillEndpoint:
         model_id: the model's fingerprint, as the engine states it (a name
             and revision, or a digest of its config and weights); decoders
             must state the same one, or :meth:`connect_peer` refuses them.
+        md_capacity: requests one MD decodes at once (its decode batch), for
+            the router's load rule, when :meth:`set_main_load` has not stated
+            that MD's own; 0: unknown, load is not weighed.
 
     P's node is also a token sink: open a request's stream with
     ``p.sink.open(request_id, ...)`` and submit it with ``sink=p.name``
@@ -180,6 +185,7 @@ class PrefillEndpoint:
         control_tcp: TcpTuning | None = K_CONTROL_TCP,
         wan_control_paths: int = 2,
         model_id: str = "",
+        md_capacity: int = 32,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -207,6 +213,9 @@ class PrefillEndpoint:
         self._sender_nursery: Any = None
         self._stack: Any = None
         self._stats = dict.fromkeys(PrefillStatistics.__dataclass_fields__, 0)
+        self.md_capacity = md_capacity
+        self._md_open: dict[str, set[int]] = {}  # MD -> requests open there, as P sees
+        self._md_load: dict[str, tuple[int, int]] = {}  # MD -> (active, capacity) stated
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> PrefillEndpoint:
@@ -322,8 +331,18 @@ class PrefillEndpoint:
             delta = (nblocks - mirror.predict(keys)) * self.pool.layout.block_bytes
             sender = self._senders[md]
             ahead = sender.bytes_ahead(delta) if isinstance(sender, WanSender) else 0
-            out.append(MainCandidate(md, delta, ahead))
+            active, capacity = self._md_load.get(md, (0, self.md_capacity))
+            active = max(active, len(self._md_open.get(md, ())))
+            out.append(MainCandidate(md, delta, ahead, active, capacity))
         return tuple(out), keys
+
+    def set_main_load(self, name: str, active: int, capacity: int) -> None:
+        """State MD ``name``'s load as the cluster sees it (the directory's
+        :class:`~pddnet.directory.Load`: every prefill instance's requests,
+        and its decode batch). The router reads ``active`` or the requests
+        this endpoint has open there, whichever is more, and ``capacity``
+        instead of ``md_capacity``."""
+        self._md_load[name] = (active, capacity)
 
     async def submit(
         self,
@@ -420,6 +439,9 @@ class PrefillEndpoint:
             if stream is not None:  # our own sink can ask them for lost tokens
                 stream.watch(*dests, relay=relay_peer, main=main_peer)
             self._reqs[request_id] = req
+            req.stream = stream
+            req.eager_s = decision.eager_tokens / self.router.policy.rld_decode_rate
+            self._md_open.setdefault(main_peer, set()).add(request_id)
             self.leases.acquire(request_id, tuple(int(b) for b in block_ids), set(dests), now)
             self._lease_changed.set()
             views = self.pool.host_views()
@@ -473,6 +495,8 @@ class PrefillEndpoint:
                 self._nursery.start_soon(self._watch, req, out)
                 if req.follows and req.first_token is not None:
                     await self._tell_first_token(req, dest)  # set while the offer was out
+                if to_md and stream is not None:
+                    self._nursery.start_soon(self._follow, request_id, stream, decision)
 
             async with trio.open_nursery() as nursery:
                 for dest in dests:
@@ -486,6 +510,7 @@ class PrefillEndpoint:
                 await self._send_abort(dest, request_id, "offer abandoned")
             if decision.uses_rld:
                 self.router.release(request_id)
+            self._md_open.get(main_peer, set()).discard(request_id)
             self.leases.release(request_id)
             self._reqs.pop(request_id, None)
             raise
@@ -578,6 +603,7 @@ class PrefillEndpoint:
         if req is None:
             return
         req.aborted = True  # no first token will follow
+        self._ended(req.rid)
         for out in req.outs.values():
             out.transfer.cancel()
             await self._send_abort(out.dest, request_id, reason)
@@ -618,13 +644,41 @@ class PrefillEndpoint:
             error = exc
             self._stats["transfers_failed"] += 1
             log.info("%s: transfer of %s to %s failed: %s", self.name, req.rid, out.dest, exc)
-        if self._roles.get(out.dest) == "relay":
-            self.router.release(req.rid)
         blocks = self.leases.finish(req.rid, out.dest)
         if blocks is not None:
             req.released = True
             self._forget_if_done(req)
             self._events_in.send_nowait(BlocksReleased(req.rid, blocks, error))
+        if req.stream is None or error is not None:
+            # Without the stream P sees nothing of the request after its KV
+            # landed: MD's request counts until then, and RLD's slot until the
+            # relay's planned end (its eager tokens at the policy's rate).
+            if self._roles.get(out.dest) == "relay":
+                if error is None:
+                    await trio.sleep(req.eager_s)
+                self.router.release(req.rid)
+            else:
+                self._md_open.get(out.dest, set()).discard(req.rid)
+
+    async def _follow(self, rid: int, stream: TokenStream, decision: RouteDecision) -> None:
+        """The request's end at its decoders, as its token stream shows it
+        (this endpoint is the sink): RLD lets go at the handover (MD's first
+        token here) or when the stream ends, and MD when the stream ends;
+        a stream that fails ends it too."""
+        try:
+            async for token in stream:
+                if token.source == decision.main:
+                    self.router.release(rid)  # handed over: RLD let go
+        except PddnetError:
+            pass
+        finally:
+            self._ended(rid)
+
+    def _ended(self, rid: int) -> None:
+        """The request ended at its decoders (or will never reach them)."""
+        self.router.release(rid)
+        for open_ in self._md_open.values():
+            open_.discard(rid)
 
     def _forget_if_done(self, req: _Req) -> None:
         # A request whose KV went out layer by layer may still owe its first token.
@@ -692,6 +746,7 @@ class PrefillEndpoint:
             for lease in self.leases.expire(trio.current_time()):
                 self._stats["leases_expired"] += 1
                 req = self._reqs.pop(lease.request_id, None)
+                self._ended(lease.request_id)
                 if req is not None:
                     for out in req.outs.values():
                         out.transfer.cancel()

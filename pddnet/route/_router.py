@@ -23,10 +23,16 @@ simulator run the same decisions from the same inputs.
    (prefix affinity: the MD whose cache holds most of the prompt has the
    smallest delta; blocks still in flight to it are not in its cache yet, so
    they count in the delta) and ``bytes_ahead`` is what P's WAN sender to it
-   sends first (the WAN queue, with the scheduler's priorities). The MD whose
-   delta lands first wins; MDs within ``tie_s`` of it count as equal and the
-   least loaded of those wins (then the one holding more of the prompt, then
-   the name). An MD at its capacity is passed over unless all are.
+   sends first (the WAN queue, with the scheduler's priorities). An MD
+   without a completed transfer to measure its link gets the shared estimate
+   (:attr:`Router.link`) divided among the flows on it: itself and every
+   other candidate with bytes queued. The request then waits for that MD's
+   decode batch: ``md_load_s * active / capacity`` more (a full batch adds
+   ``md_load_s``; nothing when the capacity is unknown). The MD with the
+   smallest expected wait, landing plus batch, wins; MDs within ``tie_s`` of
+   it count as equal and the least loaded of those wins (then the one
+   holding more of the prompt, then the one with less queued, then the
+   name). An MD at its capacity is passed over unless all are.
 2. **Which pipeline**, from the winner's estimate, as for one MD: P->MD when
    ``transfer_s + md_first_token_s`` fits the TTFT target, else a relay route.
 3. **Which RLD.** Admission control keeps each RLD inside its limits
@@ -94,7 +100,7 @@ class Verdict(enum.Enum):
     """What the router concluded about one candidate instance."""
 
     CHOSEN = "chosen"
-    LANDS_LATER = "MD: its delta lands later than the winner's (by more than tie_s)"
+    LANDS_LATER = "MD: its expected wait (landing plus batch) exceeds the winner's by over tie_s"
     MORE_LOADED = "within tie_s of the winner, but more loaded (or later in the order)"
     AT_CAPACITY = "MD: at its capacity while another is not"
     RELAY_LIMIT = "RLD: at its concurrent-relay limit"
@@ -137,8 +143,11 @@ class RoutePolicy:
         skip_factor: skip the WAN when ``max_tokens / rld_decode_rate`` is at
             most this fraction of the estimated transfer time.
         history: how many recent decisions :meth:`Router.decisions` keeps.
-        tie_s: MDs whose deltas land within this many seconds of the first
-            count as equal, and load decides between them.
+        tie_s: MDs whose expected waits are within this many seconds of the
+            smallest count as equal, and load decides between them.
+        md_load_s: what a full decode batch adds to a new request's wait at
+            MD (``active / capacity`` of it for a partly full one): the
+            price in landing time of sending a request to a busier MD.
     """
 
     ttft_target_s: float = 2.0
@@ -151,14 +160,15 @@ class RoutePolicy:
     skip_factor: float = 1.0
     history: int = 256
     tie_s: float = 0.001
+    md_load_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.rld_decode_rate <= 0 or self.ttft_target_s <= 0:
             raise ValueError("rld_decode_rate and ttft_target_s must be > 0")
         if self.max_concurrent_relays < 0 or self.max_eager_tokens < 0:
             raise ValueError("admission limits must be >= 0")
-        if self.tie_s < 0:
-            raise ValueError("tie_s must be >= 0")
+        if self.tie_s < 0 or self.md_load_s < 0:
+            raise ValueError("tie_s and md_load_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,9 +380,15 @@ class Router:
         self._by_main: Counter[str] = Counter()
         self._recent: deque[RouteDecision] = deque(maxlen=self.policy.history)
 
-    def link_for(self, main: str) -> LinkEstimate:
-        """The WAN estimate to MD ``main`` (the default :attr:`link` until it has one)."""
-        return self.links.get(main, self.link)
+    def link_for(self, main: str, flows: int = 1) -> LinkEstimate:
+        """The WAN estimate to MD ``main``: its own once a transfer to it
+        was measured; until then the shared :attr:`link`, its bandwidth
+        divided among the ``flows`` that use it (this one included)."""
+        own = self.links.get(main)
+        if own is not None:
+            return own
+        link = self.link
+        return link if flows <= 1 else LinkEstimate(link.bandwidth_bytes_s / flows, link.rtt_s)
 
     def update_link(
         self,
@@ -510,24 +526,28 @@ class Router:
         self, mains: tuple[MainCandidate, ...]
     ) -> tuple[list[float], int, list[Verdict]]:
         """(each MD's landing estimate, the winner's index, each MD's verdict)."""
-        links, default = self.links, self.link
-        times = []
+        busy = sum(1 for c in mains if c.bytes_ahead > 0)  # flows on the shared link
+        times, waits = [], []
+        load_s = self.policy.md_load_s
         for c in mains:
-            link = links.get(c.name, default)
-            times.append(
+            link = self.link_for(c.name, busy + (c.bytes_ahead <= 0))
+            landed = (
                 link.rtt_s
                 + (max(0, c.bytes_ahead) + max(0, c.delta_bytes)) / link.bandwidth_bytes_s
             )
+            times.append(landed)
+            waits.append(landed + (load_s * c.active / c.capacity if c.capacity else 0.0))
         open_ = [i for i, c in enumerate(mains) if not c.capacity or c.active < c.capacity]
         pool = open_ or range(len(mains))
-        limit = min(times[i] for i in pool) + self.policy.tie_s
-        tied = [i for i in pool if times[i] <= limit]
+        limit = min(waits[i] for i in pool) + self.policy.tie_s
+        tied = [i for i in pool if waits[i] <= limit]
         win = tied[0]
         if len(tied) > 1:
 
-            def load(i: int) -> tuple[float, int, str]:
+            def load(i: int) -> tuple[float, int, int, str]:
                 c = mains[i]
-                return (c.active / c.capacity if c.capacity else 0.0, c.delta_bytes, c.name)
+                share = c.active / c.capacity if c.capacity else 0.0
+                return (share, c.delta_bytes, c.bytes_ahead, c.name)
 
             win = min(tied, key=load)
         verdicts = [Verdict.LANDS_LATER] * len(mains)
