@@ -298,3 +298,40 @@ def test_decode_segments_sum_their_steps(batch: int, ctx: int) -> None:
         m = EngineModel(cfg.model, gpu, cfg.engine)
         steps = [m.decode_step_s(batch, ctx + i * batch) for i in range(50)]
         assert m.decode_steps_s(batch, ctx, 50) == pytest.approx(sum(steps), rel=1e-12)
+
+
+def test_sink_at_p_adds_mds_one_way_delay_to_ttft() -> None:
+    # PrefillEndpoint's token sink on P: MD's first token crosses the WAN back (0.05 s).
+    cfg = _cfg(cluster={"sink": "prefill"})
+    (r,) = Simulation(cfg, one_request(5), baseline=True).run().requests
+    assert r.ttft == pytest.approx(PREFILL + 0.1 + SERIALISE + 0.05 + 0.05, rel=1e-12)
+
+
+def test_slow_start_after_idle_costs_round_trips_by_hand() -> None:
+    # A fresh stream starts from 10 x 1448 = 14,480 B and doubles each RTT
+    # (0.1 s) until the window covers 1e8 B/s x 0.1 s: 14480 + 28960 + 57920 +
+    # 115840 = 217,200 B in 4 RTTs, the other 44,944 B at the link's rate.
+    cfg = _cfg(wan={"slow_start_after_idle": True})
+    (r,) = Simulation(cfg, one_request(5), baseline=True).run().requests
+    send = 0.4 + 44944 / 1e8
+    assert r.ttft == pytest.approx(PREFILL + 0.1 + send + 0.05, rel=1e-12)
+    wan = Simulation(cfg, one_request(5)).wan
+    assert wan.send_s(35000, 1e6, idle_s=0.2) == pytest.approx(0.035)  # within the RTO
+    assert wan.rto_s == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_strange_traffic_feeds_mds_cache_when_rld_finishes_first(keep: bool) -> None:
+    # RLD answers 3 tokens long before the KV lands on MD (0.1 s of offer
+    # round trip first): strange traffic. Cancelled, MD caches nothing; kept
+    # (the demo's RelayEndpoint(cut_off_wan=False) + keep_strange_traffic),
+    # the transfer lands and MD caches the prompt's 64 blocks.
+    cfg = _cfg(router={"ttft_target_s": 0.01}, handoff={"keep_strange_traffic": keep})
+    sim = Simulation(cfg, one_request(3))
+    (r,) = sim.run().requests
+    assert r.route == Route.P_RLD_MD.value and r.failure is None
+    assert (r.rld_tokens, r.md_tokens) == (3, 0)
+    assert len(sim.servers[0].cache) == (64 if keep else 0)
+    assert sim.free_blocks[0].__len__() + len(sim.servers[0].cache) == len(
+        Simulation(cfg, one_request(3)).free_blocks[0]
+    )

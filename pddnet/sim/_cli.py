@@ -27,6 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--png", metavar="F", help="with --sweep: plot it to F")
     p.add_argument(
+        "--validate-demo",
+        action="store_true",
+        help="run the demo's configuration in the simulator and run pddnet demo --quick, and"
+        " report both side by side (ttft_p50_rel_err, rld_share_abs_err)",
+    )
+    p.add_argument(
+        "--demo-json",
+        metavar="F",
+        help="with --validate-demo: compare with this pddnet demo --quick --json report"
+        " instead of running the demo",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         choices=(1, 2),
@@ -50,7 +62,38 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from ._validate import validate_demo  # imports the demo (and its engines) only here
+
+    res = validate_demo(args.demo_json)
+    print(f"pddnet sim --validate-demo: the demo's link: {res['demo_link']}")
+    print(f"{'':26} {'sim pdd':>9} {'demo pdd':>9} {'sim base':>9} {'demo base':>9}")
+    sim, demo = res["sim"], res["demo"]
+    for key, label in (
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p90_ms", "TTFT p90 ms"),
+        ("ttft_p50_ms_low_hit", "TTFT p50 ms, first turns"),
+        ("prefill_ms_p50_low_hit", "P prefill ms, first turns"),
+        ("rld_token_share", "RLD token share"),
+        ("relayed", "requests relayed"),
+        ("failed", "failed"),
+    ):
+        row = [sim["pdd"][key], demo["pdd"][key], sim["baseline"][key], demo["baseline"][key]]
+        print(f"{label:26} " + " ".join(f"{v:9.4g}" for v in row))
+    print(
+        f"ttft_p50_rel_err {res['ttft_p50_rel_err']:+.3f} (target within 0.25), "
+        f"rld_share_abs_err {res['rld_share_abs_err']:.3f} (target 0.1); baseline's TTFT p50 "
+        f"{res['ttft_p50_rel_err_baseline']:+.3f}; targets met: {res['targets_met']}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_clean(res), f, indent=1, default=str)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.validate_demo:
+        return _validate(args)
     over: dict[str, dict[str, Any]] = {}
     if args.seed is not None:
         over.setdefault("workload", {})["seed"] = args.seed

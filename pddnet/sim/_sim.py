@@ -193,6 +193,7 @@ class _Req:
         "freed",
         "hit_blocks",
         "keep",
+        "keys",
         "landed",
         "landed_at",
         "main",
@@ -248,6 +249,7 @@ class _Req:
         self.stall: float | None = None
         self.takeover = 0
         self.tokens: Any = None  # the prompt's ids, from P's submit to MD's free
+        self.keys: list[int] = []  # their full blocks' chain keys
         self.cursor: tuple[list[Turn], int] = ([], 0)
 
     def token(self, position: int) -> int:
@@ -434,7 +436,11 @@ class _Sender:
         )
         self.sched.active_streams = w.streams
         self.hedge = w.hedge
-        self.idle = list(range(w.streams))
+        # idle streams, the longest idle first: WanSender's idle stream tasks
+        # all wake on a change and trio runs them in no set order, so the
+        # chunk goes to any of them, not to the one that sent last (which
+        # matters with wan.slow_start_after_idle: that one's window is open)
+        self.idle: deque[int] = deque(range(w.streams))
         self.last_sent = [-math.inf] * w.streams  # when each stream last sent (a new one: never)
         self.reqs: dict[int, tuple[_Req, float]] = {}  # transfer id -> (request, started)
         self.received: dict[int, int] = {}
@@ -462,11 +468,11 @@ class _Sender:
         sim, sched = self.sim, self.sched
         now = sim.loop.now
         while self.idle:
-            stream = self.idle[-1]
+            stream = self.idle[0]
             ch = sched.next_chunk(stream, now)
             if ch is None:
                 break
-            self.idle.pop()
+            self.idle.popleft()
             sim.sending += 1
             rate = sim.wan.stream_rate(sim.sending)
             dt = sim.wan.send_s(ch.length, rate, now - self.last_sent[stream])
@@ -478,7 +484,7 @@ class _Sender:
             # Without hedging the timer is the earliest deadline, and a new
             # transfer's deadline is never earlier than those before it.
             return
-        when = sched.get_timer(self.idle[-1] if self.idle else None)
+        when = sched.get_timer(self.idle[0] if self.idle else None)
         if when is not None and when > now and (self.pump_at is None or when < self.pump_at):
             self.pump_at = when
             sim.loop.at(when, self._timer_pump, when)
@@ -570,6 +576,12 @@ class Simulation:
         self.mirrors = [
             CacheMirror(self.block, bytes_per_token=m.kv_bytes_per_token) for _ in self.mains
         ]
+        # P connects before the run: each mirror starts from its MD's snapshot
+        # (PrefillEndpoint.connect_peer asks for one), so it knows MD's epoch
+        # and MD's first event does not void what P expects
+        for server, mirror in zip(self.servers, self.mirrors, strict=True):
+            for part in server.snapshot():
+                mirror.apply(part)
         self.params = self._handoff_params(md_models[0])
         self.routers = [self._router() for _ in self.prefills]
         self.senders: dict[tuple[int, int], _Sender] = {}  # (P, MD) -> P's sender to MD
@@ -583,6 +595,8 @@ class Simulation:
         self.held = [[0] * len(self.relays) for _ in self.prefills]
         self.relay_slots = [0] * len(self.relays)
         self.md_active = [0] * len(self.mains)
+        # per MD: when the mirror's last expectation (CacheMirror.expect) lapses
+        self._expect_until = [-math.inf] * len(self.mains)
         self.sending = 0
         self.results: list[RequestResult] = []
         self._rid = 0
@@ -703,15 +717,17 @@ class Simulation:
         full = t.prompt // self.block
         tokens = req.tokens = stream[0][: t.prompt]
         keys = stream[1][:full]
-        key_list = stream[2][:full]  # probed per MD, as PrefillEndpoint._candidates does
+        key_list = req.keys = stream[2][:full]  # probed per MD, as PrefillEndpoint._candidates
         req.nblocks = nblocks = -(-t.prompt // self.block)
         capacity = self.cfg.router.md_capacity
         mains = []
         for i, name in enumerate(self.main_names):
             mirror = self.mirrors[i]
-            # an empty mirror predicts nothing (the simulation never calls
-            # CacheMirror.expect), so its predict is skipped
-            hit = mirror.predict(key_list) if len(mirror) else 0
+            if self._expect_until[i] > -math.inf:  # else it never expected a block
+                mirror.expire(now)
+            # a mirror that holds nothing and expects nothing predicts 0:
+            # its predict is skipped
+            hit = mirror.predict(key_list) if len(mirror) or now < self._expect_until[i] else 0
             delta = (nblocks - hit) * self.block_bytes
             sender = self.senders.get((req.p, i))
             ahead = sender.sched.bytes_ahead(delta) if sender is not None else 0
@@ -762,8 +778,8 @@ class Simulation:
         prompt's varints; the simulation calls the RadixCache directly (the
         server still numbers the cache's changes into P's events)."""
         now = self.loop.now
-        if req.end is not None:
-            return
+        if req.end is not None and not self._keep:
+            return  # over at RLD already; with keep_strange_traffic MD takes it to cache
         server, free = self.servers[req.md], self.free_blocks[req.md]
         cache = server.cache
         match = cache.match_prefix(tokens, keys=keys)
@@ -814,7 +830,12 @@ class Simulation:
 
     def transfer_completed(self, req: _Req, started: float) -> None:
         """P's side saw the transfer acknowledged: PrefillEndpoint._watch
-        samples that MD's link over the bytes it drained."""
+        counts the prompt's blocks as held on that MD's mirror until MD's
+        event about them (``CacheMirror.expect``), and samples that MD's
+        link over the bytes it drained."""
+        now = self.loop.now
+        self.mirrors[req.md].expect(req.keys, now)
+        self._expect_until[req.md] = now + self.mirrors[req.md].expect_s
         if (
             req.wan_bytes < K_BANDWIDTH_SAMPLE_BYTES
             or req.decision is None
