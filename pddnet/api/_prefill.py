@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -61,6 +61,9 @@ from ._messages import (
     StatsRequest,
 )
 from ._sink import TokenSink, TokenStream
+
+if TYPE_CHECKING:  # pddnet.directory imports pddnet.api
+    from ..directory import Directory, DirectoryEvent
 
 __all__ = ["BlocksReleased", "PrefillEndpoint", "PrefillStatistics", "Submission"]
 
@@ -299,6 +302,78 @@ class PrefillEndpoint:
                 self.pool.layout.block_size, bytes_per_token=self.pool.layout.kv_bytes_per_token
             )
             await self.node.request(info.name, mirror.snapshot_request(), timeout=10.0)
+
+    def remove_peer(self, name: str) -> None:
+        """Stop routing to decoder ``name`` (it left the directory, or died):
+        its sender closes, its mirror, load and link estimate go. Requests
+        in flight to it end as the fault tables promise: their transfers to
+        it are cancelled (:class:`BlocksReleased` with the error, the RLD
+        slot given back) and their other decoders fail them on their own
+        timers. Unknown names are ignored."""
+        role = self._roles.pop(name, None)
+        if role is None:
+            return
+        scope = self._sender_scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        self._senders.pop(name, None)
+        self.mirrors.pop(name, None)
+        self._md_load.pop(name, None)
+        self._md_open.pop(name, None)
+        self.router.forget(name)
+        for req in self._reqs.values():
+            out = req.outs.get(name)
+            if out is not None:
+                out.transfer.cancel()
+                if role == "relay":
+                    self.router.release(req.rid)
+
+    async def apply_member(self, event: DirectoryEvent) -> None:
+        """Follow the directory (:meth:`~pddnet.directory.Directory.watch`):
+        a decoder that joins is connected (:meth:`connect_peer`), an MD's
+        load update is passed to the router (:meth:`set_main_load`), and a
+        decoder that left is removed (:meth:`remove_peer`). Other roles,
+        and ourselves, are ignored.
+
+        Raises:
+            LayoutMismatch: a joining decoder's layout or model differs.
+            PddnetError: it could not be connected (it stays unknown; a later
+                event may try again).
+        """
+        from ..directory import MemberLeft  # not at the top: it imports pddnet.api
+
+        if isinstance(event, MemberLeft):
+            self.remove_peer(event.name)
+            return
+        member = event.member
+        if member.role not in ("relay", "main") or member.name == self.name:
+            return
+        if member.name not in self._roles:
+            await self.connect_peer(member.info)
+        if member.role == "main":
+            self.set_main_load(member.name, member.load.active, member.load.capacity)
+
+    async def follow(
+        self, directory: Directory, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Apply every event of ``directory``'s watch (its members now, then
+        each join, update and leave, :meth:`apply_member`) until cancelled.
+        ``await nursery.start(p.follow, directory)`` returns once the watch
+        is open: no later change is missed. A decoder that cannot be
+        connected is logged and skipped.
+
+        Raises:
+            PeerUnavailable, TransferTimeout: the watch broke (open a new one).
+
+        Cancellation: the watch closes; connected peers stay.
+        """
+        async with directory.watch() as events:
+            task_status.started()
+            async for event in events:
+                try:
+                    await self.apply_member(event)
+                except PddnetError as exc:
+                    log.warning("%s: directory event %s not applied: %s", self.name, event, exc)
 
     def statistics(self) -> PrefillStatistics:
         return PrefillStatistics(**{**self._stats, "held_blocks": self.leases.held_blocks()})
