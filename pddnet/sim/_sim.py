@@ -9,8 +9,8 @@ them:
 * P (:class:`~pddnet.api.PrefillEndpoint`'s ``submit``): the prompt's chain
   keys go through each MD's :class:`~pddnet.cache.CacheMirror` (``expire``,
   ``predict``) to size the delta that MD lacks (each mirror starts from its
-  MD's snapshot, and ``expect`` s a prompt's blocks once its transfer
-  completed, as ``PrefillEndpoint._watch`` does); P's :class:`~pddnet.route.Router` gets a
+  MD's snapshot, and counts a prompt's blocks as held once its transfer
+  completed, ``expect``, as ``PrefillEndpoint._watch`` does); P's :class:`~pddnet.route.Router` gets a
   :class:`~pddnet.route.MainCandidate` per MD (delta, the bytes queued ahead
   at P's sender to it, its load) and a :class:`~pddnet.route.RelayCandidate`
   per RLD (the relays other P's hold on it), decides MD, route and RLD
