@@ -529,12 +529,15 @@ class Router:
         busy = sum(1 for c in mains if c.bytes_ahead > 0)  # flows on the shared link
         times, waits = [], []
         load_s = self.policy.md_load_s
+        links, shared = self.links, self.link
         for c in mains:
-            link = self.link_for(c.name, busy + (c.bytes_ahead <= 0))
-            landed = (
-                link.rtt_s
-                + (max(0, c.bytes_ahead) + max(0, c.delta_bytes)) / link.bandwidth_bytes_s
-            )
+            own = links.get(c.name)  # else link_for's split, inline: this is the hot path
+            if own is not None:
+                bw, rtt = own.bandwidth_bytes_s, own.rtt_s
+            else:
+                bw = shared.bandwidth_bytes_s / max(1, busy + (c.bytes_ahead <= 0))
+                rtt = shared.rtt_s
+            landed = rtt + (max(0, c.bytes_ahead) + max(0, c.delta_bytes)) / bw
             times.append(landed)
             waits.append(landed + (load_s * c.active / c.capacity if c.capacity else 0.0))
         open_ = [i for i, c in enumerate(mains) if not c.capacity or c.active < c.capacity]
