@@ -152,3 +152,63 @@ def test_quick_run_against_raw_ucxx(tmp_path: Path) -> None:
     assert summary["failed_rounds"]["ratio_vs_raw_ucxx_16mib"] == 0
     assert summary["ratio_vs_raw_ucxx_16mib_cma"] is None  # pddnet with cma did not run
     assert "no peer environment" in summary["nixl_error"]
+
+
+def test_layerwise_summary_is_the_paired_ratio_per_mode() -> None:
+    """``layerwise_overhead_L``: cross-host; ``_sm``: same host; None where a mode did not run."""
+    res = {
+        "xhost": [
+            {
+                "size": 32,
+                "median_s": 0.012,
+                "whole_median_s": 0.010,
+                "overhead": 1.15,
+                "n": 10,
+                "bytes": 16 << 20,
+            },
+            {
+                "size": 80,
+                "median_s": 0.030,
+                "whole_median_s": 0.025,
+                "overhead": 1.21,
+                "n": 10,
+                "bytes": 40 << 20,
+            },
+        ],
+        "sm": [],
+    }
+    out = local.layerwise_summary(res)
+    assert out["layerwise_overhead_32"] == 1.15 and out["layerwise_overhead_80"] == 1.21
+    assert out["layerwise_overhead_32_sm"] is None and out["layerwise_overhead_80_sm"] is None
+    assert out["layerwise_us"]["xhost"]["32"] == {
+        "layerwise_us": pytest.approx(12000.0),
+        "whole_us": pytest.approx(10000.0),
+        "mib": 16.0,
+        "pairs": 10,
+    }
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not available("ucxx"), reason="ucxx is not installed")
+def test_layerwise_run_writes_its_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real processes: a 2- and a 3-layer request, whole and layer by layer, per mode."""
+    monkeypatch.setattr(local, "K_LAYERS", (2, 3))
+    monkeypatch.setattr(local, "K_LAYERWISE_ITERS", {True: 6, False: 6})
+    monkeypatch.setenv("PDDNET_BENCH_LW_BLOCKS", "2")
+    out = tmp_path / "local.json"
+    args = _args("--quick", "--only", "layerwise", "--peer-venv", str(tmp_path / "none"))
+    args.json = str(out)
+    assert local.main(args) == 0
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert set(report["errors"]) <= {"layerwise/xhost"}  # no namespaces: that mode's reason
+    modes = ["sm"] + ([] if report["errors"] else ["xhost"])
+    for mode in modes:
+        suffix = "" if mode == "xhost" else "_sm"
+        for layers in (2, 3):
+            assert summary[f"layerwise_overhead_{layers}{suffix}"] > 0
+            row = summary["layerwise_us"][mode][str(layers)]
+            assert row["pairs"] == 2 and row["layerwise_us"] > 0 and row["whole_us"] > 0
+            # 2 blocks x 2 planes x 32 KiB per layer
+            assert row["mib"] == pytest.approx(layers * 2 * 2 * 32 * 1024 / (1 << 20))
+    assert report["rows"] == []  # layerwise is not a table row

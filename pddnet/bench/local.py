@@ -60,6 +60,20 @@ medians of paired 16 MiB rounds of :data:`K_CROSSHOST_PAIRED` as below;
 one-way time over NIXL WRITE + notification's, cross-host, from the table.
 The same-host keys below stay as they were.
 
+**Layer by layer (``layerwise``, not a table row).** A request as the
+PrefillEndpoint ships it: one transfer whose grant names the request's layers
+(``num_layers``, ``layer_ends``), for a model of L = 32 and 80 layers (8 KV
+heads of 128, fp16, 16-token blocks, K/V-major as vLLM: 512 KiB per layer for
+8 blocks, so 16 MiB and 40 MiB). Sent two ways, alternating in one process
+pair: whole (``ready=True``), and layer by layer (``ready=False``, then
+``mark_layer_ready`` for each layer in order, each as its own event: a trio
+checkpoint between marks, no compute in between, so the gaps add nothing but
+the protocol's own cost). Both are timed from ``start`` until the sender's
+``wait`` returns (the receiver's DONE). ``layerwise_overhead_32`` and
+``_80`` (cross-host, the ``xhost`` setting; ``..._sm`` same host) are the
+median over pairs of layer-by-layer time / whole time; ``layerwise_us`` holds
+the medians. ``--only layerwise`` runs it alone.
+
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
 16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
 the same code), more than the differences measured. So
@@ -118,10 +132,16 @@ K_CROSSHOST_RATIOS = {
     "crosshost_ratio_vs_tcp_16mib": ("pddnet", "tcp"),  # one plain TCP socket
     "crosshost_ratio_vs_raw_ucxx_16mib": ("pddnet", "raw_ucxx"),
 }
+# Layer by layer (issue 20 item 5): requests of these many layers, each sent as
+# one transfer whose layers are marked one by one, against the same request
+# sent whole; transfers per layer count (half of each kind, after 2 warm-ups)
+K_LAYERS = (32, 80)
+K_LAYERWISE_ITERS = {True: 22, False: 62}
+K_LAYERWISE_MODES = ("xhost", "sm")  # the headline keys are cross-host
 # peer: (the rows that need it, what they import, in --peer-venv (else here), how to get it)
 K_PEERS: dict[str, tuple[tuple[str, ...], str, bool, str]] = {
     "ucxx": (
-        ("pddnet", "pddnet_poll", "pddnet_nocma", "raw_ucxx", "raw_ucxx_epoll"),
+        ("pddnet", "pddnet_poll", "pddnet_nocma", "raw_ucxx", "raw_ucxx_epoll", "layerwise"),
         "ucxx",
         False,
         "install pddnet's ucx extra (pip install -e '.[ucx]': ucxx-cu12)",
@@ -167,6 +187,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="paired 16 MiB rounds behind the summary's ratios (default: 11, --quick 7)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="transfer sizes of the table in bytes (default: 4 KiB to 256 MiB; --quick: 4 KiB,"
+        " 1 MiB, 16 MiB), e.g. --sizes 4096 --rounds 0 for the 4 KiB one-way figures alone",
     )
     parser.add_argument(
         "--poll-us",
@@ -224,7 +252,7 @@ async def server():
                 if len(t1) == 3:
                     c0 = time.process_time()
             arrived(t1[3:], (time.process_time() - c0) / (n - 3))
-        inp()
+        await trio.to_thread.run_sync(inp)  # the loop runs on: the last DONE still leaves
 async def client():
     hello = inp()
     async with UcxSender(hello["address"], **OPTS) as tx:
@@ -242,6 +270,58 @@ async def client():
                     lat.append(time.perf_counter() - t0)
                     t0s.append(t0)
             report(size, lat, t0s, (time.process_time() - c0) / len(lat))
+try:
+    trio.run(server if role == "server" else client)
+except BaseException:
+    import traceback; traceback.print_exc(); finish(1)
+finish()
+"""
+
+_LAYERWISE = """
+import trio
+from pddnet.kv import KVLayout, KVPool, block_ranges
+from pddnet.transport import Grant
+from pddnet.transport.local import UcxReceiver, UcxSender
+role = sys.argv[1]
+OPTS = {"secret": os.environ["PDDNET_BENCH_SECRET"].encode()}
+BLOCKS = int(os.environ.get("PDDNET_BENCH_LW_BLOCKS", "8"))
+def pool(layers):  # SIZES are layer counts: a model of that depth, vLLM's K/V-major layout
+    lay = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, block_size=16, kv_major=True)
+    p = KVPool.allocate(lay, 2 * BLOCKS, fill=1 if role == "client" else 0)
+    return p, block_ranges(lay, p.num_blocks, list(range(BLOCKS)))
+async def server():
+    async with UcxReceiver(**OPTS) as rx:
+        out({"address": rx.address})
+        for layers in SIZES:
+            p, r = pool(layers)
+            gs = [rx.grant(p.host_views(), r, num_layers=layers) for _ in range(ITERS[str(layers)])]
+            out([[g.transfer_id, g.total, list(g.layer_ends), g.address] for g in gs])
+            for g in gs:
+                await rx.wait_transfer(g.transfer_id)
+        await trio.to_thread.run_sync(inp)
+async def client():
+    hello = inp()
+    async with UcxSender(hello["address"], **OPTS) as tx:
+        for layers in SIZES:
+            p, r = pool(layers)
+            views = p.host_views()
+            gs = [Grant(t, n, tuple(e), a) for t, n, e, a in inp()]
+            lat = {"whole": [], "layerwise": []}
+            for i, g in enumerate(gs):  # alternating: one whole request, one layer by layer
+                layerwise = i % 2 == 1
+                t0 = time.perf_counter()
+                t = tx.start(g, views, r, ready=not layerwise)
+                if layerwise:
+                    for layer in range(layers):  # each layer as its own event, no compute gap
+                        t.mark_layer_ready(layer)
+                        await trio.lowlevel.checkpoint()
+                await t.wait()
+                if i >= 2:
+                    lat["layerwise" if layerwise else "whole"].append(time.perf_counter() - t0)
+            w, l = np.array(lat["whole"]), np.array(lat["layerwise"])
+            out({"size": layers, "median_s": float(np.median(l)), "whole_median_s":
+                 float(np.median(w)), "overhead": float(np.median(l / w)), "n": len(l),
+                 "bytes": g.total})
 try:
     trio.run(server if role == "server" else client)
 except BaseException:
@@ -492,7 +572,7 @@ def run_pair(
         cli.stdin.write(line(srv, "server"))
         cli.stdin.flush()
         for _size in sizes:
-            if code is _PDDNET:  # the receiver hands out this size's grants
+            if code is _PDDNET or code is _LAYERWISE:  # the receiver hands out the grants
                 cli.stdin.write(line(srv, "server"))
                 cli.stdin.flush()
             res = json.loads(line(cli, "client"))
@@ -625,6 +705,33 @@ def paired_ratios(
     return out
 
 
+def layerwise_summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The summary's layer-by-layer keys from each mode's :data:`_LAYERWISE` results.
+
+    ``layerwise_overhead_L`` (cross-host) and ``layerwise_overhead_L_sm``
+    (same host) are the median over alternating pairs of (layer-by-layer
+    time / whole-request time), None where the mode did not run;
+    ``layerwise_us`` holds each mode's medians.
+    """
+    out: dict[str, Any] = {}
+    detail: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in K_LAYERWISE_MODES:
+        got = {int(r["size"]): r for r in results.get(mode, [])}
+        suffix = "" if mode == "xhost" else f"_{mode}"
+        for layers in K_LAYERS:
+            r = got.get(layers)
+            out[f"layerwise_overhead_{layers}{suffix}"] = None if r is None else r["overhead"]
+            if r is not None:
+                detail.setdefault(mode, {})[str(layers)] = {
+                    "layerwise_us": r["median_s"] * 1e6,
+                    "whole_us": r["whole_median_s"] * 1e6,
+                    "mib": r["bytes"] / (1 << 20),
+                    "pairs": r["n"],
+                }
+    out["layerwise_us"] = detail
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the table and the paired rounds (same host, then cross-host); write the summary."""
     with contextlib.ExitStack() as stack:
@@ -632,7 +739,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
-    sizes = K_QUICK_SIZES if args.quick else K_SIZES
+    sizes = args.sizes or (K_QUICK_SIZES if args.quick else K_SIZES)
     iters = {str(s): _iters(s, args.quick) for s in sizes}
     errors: dict[str, str] = {}
     peer_py = str(Path(args.peer_venv) / "bin" / "python")
@@ -657,6 +764,8 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         "nixl": (_NIXL, peer_py, ["sm", "tcp", "xhost"], {}, False),
         "nixl_notif": (_NIXL, peer_py, ["sm", "xhost"], {"PDDNET_NIXL_NOTIF": "1"}, True),
         "mooncake": (_MOONCAKE, peer_py, ["tcp"], {}, False),
+        # not a table row: the layer-by-layer pairs after the paired rounds
+        "layerwise": (_LAYERWISE, sys.executable, list(K_LAYERWISE_MODES), secret, False),
     }
     # Busy-polling peers (raw ucxx, NIXL, pddnet_poll) collapse when the OS puts
     # both processes on one core (measured: raw ucxx 4 KiB 14 µs -> 7.7 ms), so
@@ -696,7 +805,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             return []
 
     for name, (_code, _python, modes, _extra, _one_way) in impls.items():
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or name == "layerwise":
             continue
         for mode in modes:
             res = run(name, mode, sizes, iters)
@@ -723,6 +832,11 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     xratios = paired_ratios(xpaired, K_CROSSHOST_RATIOS)
     xratios["crosshost_failed_rounds"] = xratios.pop("failed_rounds")
     x_us = [t for t in xpaired.get("pddnet", []) if t]
+    layerwise: dict[str, list[dict[str, Any]]] = {}
+    if not args.only or "layerwise" in args.only:
+        n = K_LAYERWISE_ITERS[bool(args.quick)]
+        for mode in K_LAYERWISE_MODES:
+            layerwise[mode] = run("layerwise", mode, list(K_LAYERS), {str(k): n for k in K_LAYERS})
 
     def pick(impl: str, mode: str, size: int, field: str) -> float | None:
         for r in rows:
@@ -753,6 +867,10 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             name: pick(name, "xhost", 4096, "one_way_us")
             for name in ("pddnet", "pddnet_poll", "raw_ucxx", "tcp", "nixl_notif")
         },
+        # A request of L layers sent layer by layer (one transfer, each layer
+        # marked as its own event) over the same request sent whole: median of
+        # alternating pairs, cross-host (same host: ..._sm)
+        **layerwise_summary(layerwise),
         # Same host (shared memory), medians of paired rounds (see the module's
         # docstring). These use the receiver as RLD deploys it (no cma).
         **paired_ratios(paired),
@@ -817,6 +935,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             "crosshost_ratio_vs_nixl_16mib": ">= 1.0",
             "crosshost_ratio_vs_tcp_16mib": ">= 1.0",
             "one_way_ratio_vs_nixl_notif_4kib": "<= 2.0",
+            "layerwise_overhead_32": "<= 1.2",
             "ratio_vs_nixl_16mib": ">= 1.0",
             "ratio_vs_raw_ucxx_16mib": ">= 0.9",
             "latency_ratio_vs_nixl_4kib": "<= 1.5",

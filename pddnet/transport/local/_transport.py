@@ -1822,11 +1822,14 @@ class UcxSender(_Service, Sender):
             raise LocalProtocolError("transfer already running", transfer_id=grant.transfer_id)
         inline = ready and flags == "i" and grant.total <= K_INLINE_MAX
         early = ready and not inline and grant.total > 0
+        mvs = _flat_views(views)
         if early:
             # START first: the receiver's wake-up overlaps the bookkeeping
             # below, and the first piece usually arrives while the receiver is
             # still handling START (docs/local.md, *Per-transfer cost*).
             self._send_start(grant.transfer_id)
+        elif inline and grant.total > 0:  # the same for a small transfer's DATA
+            self._send_data(grant.transfer_id, mvs, ranges)
         src_len = ranges.length.tolist()  # plain lists: cheaper than NumPy for few pieces
         bufs, offs = ranges.buffer.tolist(), ranges.offset.tolist()
         if 0 in src_len:
@@ -1839,27 +1842,35 @@ class UcxSender(_Service, Sender):
             sources = [
                 ranges.pieces(int(bounds[i]), int(bounds[i + 1])) for i in range(lengths.size)
             ]
-        t = UcxTransfer(self, grant, sources, bounds, _flat_views(views), priority, progress)
+        t = UcxTransfer(self, grant, sources, bounds, mvs, priority, progress)
         t.started = early
         self._transfers[grant.transfer_id] = t
         if timeout is not None:
             self._nursery.start_soon(self._deadline, t, timeout)
         if inline and sources:
-            self._send_inline(t)
+            self._sent_inline(t)
         elif ready and sources:  # START left already, or goes with the first piece (_pump)
             t.mark_ready(0, grant.total)
         else:  # START now: the receiver can report its own deadline, cancel or DONE
             self._start(t)
         return t
 
-    def _send_inline(self, t: UcxTransfer) -> None:
-        """A small transfer in one DATA message: its START with the bytes after the header."""
+    def _send_data(self, tid: int, mvs: list[Any], ranges: ByteRanges) -> None:
+        """A small transfer in one DATA message: its START with the bytes after
+        the header, in logical order (one copy, into the message)."""
+        lens = ranges.length.tolist()
+        parts = [
+            mvs[b][o : o + n]
+            for b, o, n in zip(ranges.buffer.tolist(), ranges.offset.tolist(), lens, strict=True)
+            if n
+        ]
+        head = _HDR.pack(_HDR.size - 4 + sum(lens), _Ctl.DATA, 0, self.sender_id, tid)
+        self._send_ctrl(self._data_ep, self._tags.rx_tag, b"".join([head, *parts]))
+
+    def _sent_inline(self, t: UcxTransfer) -> None:
+        """Account for a transfer whose DATA message left (:meth:`_send_data`)."""
         t.started = t._all_queued = True
         t._queued[:] = True
-        mvs = t._mvs
-        data = b"".join(bytes(mvs[b][o : o + n]) for src in t._sources for b, o, n in src)
-        msg = _pack(_Ctl.DATA, self.sender_id, t.transfer_id, 0, data)
-        self._send_ctrl(self._data_ep, self._tags.rx_tag, msg)
         t.remaining = 0
         self._inline += 1
         self._pieces += len(t._sources) - 1  # _account counts one
