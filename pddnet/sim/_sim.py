@@ -6,16 +6,14 @@ the *drivers* of pddnet's sans-IO parts, written against a simulated clock
 and simulated engines and links, and fed the way pddnet's trio drivers feed
 them:
 
-* P (:class:`~pddnet.api.PrefillEndpoint`'s ``submit``): the prompt's chain
-  keys go through each MD's :class:`~pddnet.cache.CacheMirror` (``expire``,
-  ``predict``) to size the delta that MD lacks (each mirror starts from its
-  MD's snapshot, and counts a prompt's blocks as held once its transfer
-  completed, ``expect``, as ``PrefillEndpoint._watch`` does); P's :class:`~pddnet.route.Router` gets a
-  :class:`~pddnet.route.MainCandidate` per MD (delta, the bytes queued ahead
-  at P's sender to it, its load) and a :class:`~pddnet.route.RelayCandidate`
-  per RLD (the relays other P's hold on it), decides MD, route and RLD
-  (``decide``), is told when RLD lets go (``release``) and what a large WAN
-  transfer measured (``update_link(main=...)``);
+* P (:class:`~pddnet.api.PrefillEndpoint`'s ``submit``): the prompt's chain keys go through each
+  MD's :class:`~pddnet.cache.CacheMirror` (``expire``, ``predict``) to size the delta that MD lacks
+  (each mirror starts from its MD's snapshot, and counts a prompt's blocks as held once its transfer
+  completed, ``expect``, as ``PrefillEndpoint._watch`` does); P's :class:`~pddnet.route.Router` gets
+  a :class:`~pddnet.route.MainCandidate` per MD (delta, the bytes queued ahead at P's sender to it,
+  its load) and a :class:`~pddnet.route.RelayCandidate` per RLD (the relays other P's hold on it),
+  decides MD, route and RLD (``decide``), is told when RLD lets go (``release``) and what a large
+  WAN transfer measured (``update_link(main=...)``);
 * MD (``CachedGrants``): the offer's prompt is matched and pinned on MD's
   :class:`~pddnet.cache.RadixCache` (what ``CacheServer.handle_plan`` does
   after decoding the prompt's varints, which the simulation skips), blocks
