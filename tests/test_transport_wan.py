@@ -12,7 +12,7 @@ import trio
 from pddnet.transport import Receiver, Sender
 from pddnet.transport.testing import CHECKS, check_transport
 from pddnet.transport.wan import WanReceiver, WanSender
-from pddnet.transport.wan._io import EndOfStream, FrameReader
+from pddnet.transport.wan._io import EndOfStream, FrameReader, LowWater, recv_exact
 from pddnet.transport.wan._sender import K_DEFAULT_NOTSENT_LOWAT, K_FAST_NOTSENT_LOWAT
 from pddnet.transport.wan._sockopts import K_TCP_NOTSENT_LOWAT
 
@@ -372,6 +372,59 @@ async def test_frame_reader_serves_split_and_batched_frames() -> None:
                 got.append(bytes(await reader.read()))
     assert got == frames[:-1]
     a.close()
+
+
+class _CountingSocket(socket.socket):
+    """A real TCP socket that records its ``SO_RCVLOWAT`` settings and its ``EAGAIN`` reads."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(socket.AF_INET, socket.SOCK_STREAM, 0, fileno=fd)
+        self.lowats: list[int] = []
+        self.eagains = 0
+
+    def setsockopt(self, level: int, opt: int, value: int) -> None:  # type: ignore[override]
+        if (level, opt) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT):
+            self.lowats.append(value)
+        super().setsockopt(level, opt, value)
+
+    def recv_into(self, buf: memoryview, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[override]
+        try:
+            return super().recv_into(buf, nbytes, flags)
+        except BlockingIOError:
+            self.eagains += 1
+            raise
+
+
+async def test_recv_exact_sets_low_water_on_change_and_waits_after_short_read() -> None:
+    """A payload trickling in: ``SO_RCVLOWAT`` is set only when the wanted size
+    changes, and a short read waits at once (no ``recv_into`` into ``EAGAIN``),
+    across calls on the same socket (issue 23)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        b = socket.create_connection(srv.getsockname())
+        fd, _ = srv._accept()  # type: ignore[attr-defined]
+    a = _CountingSocket(fd)
+    a.setblocking(False)
+    payload = bytes(range(256)) * (6 << 12)  # 6 MiB
+    lowat = LowWater(a)
+
+    async def write() -> None:
+        for lo in range(0, len(payload), 64 << 10):
+            b.sendall(payload[lo : lo + (64 << 10)])
+            await trio.sleep(0.002)
+
+    got = bytearray(len(payload))
+    async with trio.open_nursery() as n:
+        n.start_soon(write)
+        with trio.fail_after(10):
+            for lo in range(0, len(payload), 1 << 20):  # six reads, like six chunks
+                await recv_exact(a, memoryview(got)[lo : lo + (1 << 20)], lowat)
+    assert got == payload
+    assert a.eagains <= 6  # only a call's first read may find nothing yet
+    assert a.lowats, "a trickled payload must wait on the low-water mark"
+    assert all(x != y for x, y in zip([1, *a.lowats], a.lowats, strict=False)), a.lowats
+    assert lowat.value == a.lowats[-1]
+    a.close()
+    b.close()
 
 
 async def test_padding_is_dropped_and_bounded() -> None:

@@ -2,7 +2,8 @@
 
 The hot loops use plain non-blocking sockets and wait with
 ``trio.lowlevel.wait_readable`` / ``wait_writable`` only when the kernel says
-``EAGAIN``. A ``trio.socket`` call yields to the scheduler on *every* call,
+``EAGAIN`` (``recv_exact`` also right after a short read, which took all that
+was queued). A ``trio.socket`` call yields to the scheduler on *every* call,
 even when data is ready; on a 1 MiB chunk that is dozens of extra scheduler
 passes per chunk, which halved loopback goodput in measurement (docs/wan.md).
 Each helper still checkpoints once per call, as trio requires.
@@ -31,6 +32,7 @@ __all__ = [
     "Digest",
     "EndOfStream",
     "FrameReader",
+    "LowWater",
     "Revoked",
     "accept",
     "close",
@@ -65,10 +67,32 @@ class Permit(Protocol):
     live: bool
 
 
-async def recv_exact(sock: socket.socket, mv: memoryview, permit: Permit | None = None) -> None:
+class LowWater:
+    """A socket's ``SO_RCVLOWAT`` as last set, so that it is set only when it changes.
+
+    One per socket, passed to every :func:`recv_exact` on it (the kernel's
+    default, 1, to start).
+    """
+
+    __slots__ = ("sock", "value")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.value = 1
+
+    def set(self, want: int) -> None:
+        if want != self.value:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self.value = want
+
+
+async def recv_exact(
+    sock: socket.socket, mv: memoryview, lowat: LowWater, permit: Permit | None = None
+) -> None:
     """Fill ``mv`` from ``sock`` (``recv_into`` straight into it).
 
     Args:
+        lowat: ``sock``'s low-water mark (see :class:`LowWater`).
         permit: checked right before every ``recv_into`` (no await between):
             once ``permit.live`` is false, nothing more is read into ``mv``.
 
@@ -79,7 +103,7 @@ async def recv_exact(sock: socket.socket, mv: memoryview, permit: Permit | None 
     """
     await trio.lowlevel.checkpoint_if_cancelled()
     if isinstance(sock, ssl.SSLSocket):
-        await _recv_exact_tls(sock, mv, permit)
+        await _recv_exact_tls(sock, mv, lowat, permit)
         return
     got, n = 0, len(mv)
     while got < n:
@@ -88,16 +112,20 @@ async def recv_exact(sock: socket.socket, mv: memoryview, permit: Permit | None 
         try:
             k = sock.recv_into(mv[got:] if got else mv)
         except BlockingIOError:
-            # Wake only when a useful amount is queued (never more than we need, so
-            # this cannot stall): on a WAN path data trickles in one packet at a
-            # time, and one event-loop pass per 9 KB packet costs more CPU than
-            # the copy itself.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, K_RCVLOWAT))
-            await trio.lowlevel.wait_readable(sock)
-            continue
-        if not k:
-            raise EndOfStream
-        got += k
+            pass
+        else:
+            if not k:
+                raise EndOfStream
+            got += k
+            if got == n:
+                break
+        # The queue is empty now (a short read takes all there is, so no recv_into
+        # into EAGAIN first). Wake only when a useful amount is queued (never more
+        # than we need, so this cannot stall): on a WAN path data trickles in one
+        # packet at a time, and one event-loop pass per 9 KB packet costs more CPU
+        # than the copy itself.
+        lowat.set(min(n - got, K_RCVLOWAT))
+        await trio.lowlevel.wait_readable(sock)
 
 
 class FrameReader:
@@ -150,21 +178,17 @@ class FrameReader:
         return buf[lo : lo + size]
 
 
-async def _recv_exact_tls(sock: ssl.SSLSocket, mv: memoryview, permit: Permit | None) -> None:
+async def _recv_exact_tls(
+    sock: ssl.SSLSocket, mv: memoryview, lowat: LowWater, permit: Permit | None
+) -> None:
     got, n = 0, len(mv)
-    lowat = 1
     while got < n:
         if permit is not None and not permit.live:
-            if lowat != 1:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             raise Revoked(got)
         try:
             k = sock.recv_into(mv[got:] if got else mv)
         except ssl.SSLWantReadError:
-            want = max(1, min(n - got - K_TLS_RECORD_MARGIN, K_RCVLOWAT))
-            if want != lowat:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                lowat = want
+            lowat.set(max(1, min(n - got - K_TLS_RECORD_MARGIN, K_RCVLOWAT)))
             await trio.lowlevel.wait_readable(sock)
             continue
         except ssl.SSLWantWriteError:
@@ -177,8 +201,6 @@ async def _recv_exact_tls(sock: ssl.SSLSocket, mv: memoryview, permit: Permit | 
         if not k:
             raise EndOfStream
         got += k
-    if lowat != 1:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:

@@ -82,7 +82,16 @@ from .._auth import authenticate
 from .._base import Grant, Receiver, views_of
 from ._acceptor import Action, Event, GrantTable, LayerVerified, TransferEnded, TransferVerified
 from ._framing import K_LINK_MAGIC, K_MAX_PAD, LinkCode, LinkFrame, LinkKind
-from ._io import Digest, EndOfStream, Revoked, accept, close, recv_exact, send_all
+from ._io import (
+    Digest,
+    EndOfStream,
+    LowWater,
+    Revoked,
+    accept,
+    close,
+    recv_exact,
+    send_all,
+)
 from ._limits import WanLimitExceeded, WanLimits, check
 from ._sockopts import tune_socket
 from ._tls import TlsConfig, tls_handshake
@@ -735,6 +744,7 @@ class WanReceiver(Receiver):
         hbuf = bytearray(K_CHUNK_HEADER_SIZE)
         hv = memoryview(hbuf)
         scratch: memoryview | None = None
+        lowat = LowWater(sock)
         table = self._table
         body_timeout = self.limits.body_timeout
         frames = nbytes = 0  # since this task last yielded for sure
@@ -742,7 +752,7 @@ class WanReceiver(Receiver):
             if frames >= K_YIELD_FRAMES or nbytes >= K_YIELD_BYTES:
                 await trio.lowlevel.checkpoint()  # see the module doc: fairness
                 frames = nbytes = 0
-            await recv_exact(sock, hv)
+            await recv_exact(sock, hv, lowat)
             frames += 1
             if hbuf[:4] == K_LINK_MAGIC:
                 frame = LinkFrame.decode(hv)
@@ -750,7 +760,7 @@ class WanReceiver(Receiver):
                     nbytes += frame.length
                     if scratch is None:
                         scratch = memoryview(bytearray(K_SCRATCH))
-                    await self._drain_pad(sock, frame, scratch)
+                    await self._drain_pad(sock, lowat, frame, scratch)
                     continue
                 await self._on_link_frame(frame)
                 continue
@@ -772,7 +782,7 @@ class WanReceiver(Receiver):
                     with trio.move_on_at(body_by) as scope:
                         for b, o, n in decision.pieces:
                             dst = views[b][o : o + n]
-                            await recv_exact(sock, dst, decision.permit)
+                            await recv_exact(sock, dst, lowat, decision.permit)
                             digest.update(dst)
                             left -= n
                     if scope.cancelled_caught:
@@ -802,7 +812,7 @@ class WanReceiver(Receiver):
             with trio.move_on_at(body_by) as scope:
                 while left:
                     k = min(left, len(scratch))
-                    await recv_exact(sock, scratch[:k])
+                    await recv_exact(sock, scratch[:k], lowat)
                     left -= k
             if scope.cancelled_caught:
                 raise self._slow_body(header, body_by)
@@ -814,7 +824,9 @@ class WanReceiver(Receiver):
             code = LinkCode.CANCELLED if kind is LinkKind.CANCELLED else LinkCode.NONE
             await conn.send_frame(LinkFrame(kind, tid, header.offset, header.length, code))
 
-    async def _drain_pad(self, sock: Any, frame: LinkFrame, scratch: memoryview) -> None:
+    async def _drain_pad(
+        self, sock: Any, lowat: LowWater, frame: LinkFrame, scratch: memoryview
+    ) -> None:
         """Read and drop the padding a PAD frame announces (bounded size and time)."""
         if frame.length > K_MAX_PAD:
             raise RemoteProtocolError(f"PAD of {frame.length} bytes (at most {K_MAX_PAD})")
@@ -822,7 +834,7 @@ class WanReceiver(Receiver):
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
             while left:
                 k = min(left, len(scratch))
-                await recv_exact(sock, scratch[:k])
+                await recv_exact(sock, scratch[:k], lowat)
                 left -= k
         if scope.cancelled_caught:
             assert timeout is not None
