@@ -108,6 +108,45 @@ def test_lru_recency_of_a_parent_is_its_newest_descendant() -> None:
     assert c.evict(1) == [1]
 
 
+def test_a_run_is_matched_block_by_block() -> None:
+    # One insert is one run; a match takes its agreeing blocks at once, so check
+    # where a run ends, is cut by eviction, branches, or agrees on keys only.
+    c = RadixCache(2)
+    a = list(range(12))  # 6 blocks
+    ids = np.arange(100, 106)
+    keys = np.arange(1, 7, dtype=np.uint64)  # caller-given keys, one per block
+    assert c.insert(a, ids, keys=keys).inserted == 6
+    ids[:] = 0  # the cache kept its own copy of the ids
+    m = c.match_prefix(a, keys=keys)
+    assert m.block_ids.tolist() == list(range(100, 106))
+    m.block_ids[:] = 0  # and hands out a copy
+    forged = a.copy()
+    forged[7] = 99  # block 3's tokens differ, its key does not: a collision
+    assert c.match_prefix(forged, keys=keys).block_ids.tolist() == [100, 101, 102]
+    assert c.statistics().collisions == 1
+    other = np.array([1, 2, 3, 70, 71, 72], dtype=np.uint64)  # block 3's key differs
+    assert c.match_prefix(a, keys=other).num_blocks == 3
+    # A branch off block 1: the walk goes from A's run into the new one.
+    b = [*a[:4], 50, 51, 52, 53]
+    r = c.insert(b, [7, 8, 200, 201], keys=np.array([1, 2, 30, 31], dtype=np.uint64))
+    assert (r.cached_before, r.inserted, r.unused_block_ids) == (2, 2, [7, 8])
+    got = c.match_prefix(b, keys=np.array([1, 2, 30, 31], dtype=np.uint64))
+    assert got.block_ids.tolist() == [100, 101, 200, 201]
+    assert c.evict(2) == [105, 104]  # A's tail (older than B's use), leaf first
+    assert c.match_prefix(a, keys=keys).block_ids.tolist() == [100, 101, 102, 103]
+    r = c.insert(a, [0, 0, 0, 0, 300, 301], keys=keys)  # re-cache the evicted tail
+    assert (r.cached_before, r.inserted) == (4, 2)
+    assert c.match_prefix(a, keys=keys).block_ids.tolist() == [100, 101, 102, 103, 300, 301]
+    # The next turn continues where that run ends: the run grows.
+    longer = np.arange(1, 9, dtype=np.uint64)
+    r = c.insert([*a, 60, 61, 62, 63], [0] * 6 + [400, 401], keys=longer)
+    assert (r.cached_before, r.inserted) == (6, 2)
+    want = [100, 101, 102, 103, 300, 301, 400, 401]
+    assert c.match_prefix([*a, 60, 61, 62, 63], keys=longer).block_ids.tolist() == want
+    assert c.match_prefix([*a, 60, 61, 62, 9], keys=longer).num_blocks == 7
+    assert c.statistics().collisions == 2
+
+
 def _weak(blocks: list[bytes], seed: int) -> list[int]:
     # A terrible hash: collides all the time. The cache must stay exact anyway.
     out, h = [], seed

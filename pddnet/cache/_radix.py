@@ -5,9 +5,26 @@ Theory of operation
 The tree stores history KV by *block*: a node is one full block of
 ``block_size`` tokens, holding the id of the MD pool block that contains its
 KV. A node is indexed by its chain key (:mod:`pddnet.cache._hash`), which names
-the whole prefix ending in it, and keeps a pointer to its parent and the
-block's token bytes. So the tree is a radix tree whose edges are blocks, and
-looking up a child is one dict probe on the child's key.
+the whole prefix ending in it, and keeps a pointer to its parent. So the tree
+is a radix tree whose edges are blocks, and looking up a child is one dict
+probe on the child's key.
+
+The blocks one insert adds form a *run*: consecutive nodes, each the parent
+of the next, whose token bytes, keys and block ids the run keeps in three
+flat buffers (a node is its run and its position in it). An insert whose
+cached prefix ends at the last node of a run with all its nodes cached
+extends that run, so a conversation's turns make one run. A match walks a
+run in one step: having accepted the run's node ``j`` for block ``i``, it
+accepts blocks ``i+1 ..`` as long as their keys and token bytes equal the
+run's nodes ``j+1 ..`` (two byte-string comparisons, not a dict probe and a
+comparison per block). That is the per-block rule below, not a shortcut of
+it: a live node is the only node under its key and its parent is the run's
+previous node, so equal keys give the node the per-block walk would find,
+with the right parent, and equal bytes its token check. The walk goes back
+to per-block probes where the run ends or differs. A run's live nodes are
+always a prefix of it (a node's successor in its run is its child, evicted
+first), so ``alive`` counts them. A run's buffers live as long as any of
+its nodes: a run evicted down to one block still holds all its bytes.
 
 Rules, and why they hold:
 
@@ -17,7 +34,7 @@ Rules, and why they hold:
    is always a suffix ``[hit, n)``.
 2. **Exact matches.** :meth:`RadixCache.match_prefix` accepts block ``i`` only
    if the node under key ``i`` has the node of block ``i-1`` as parent *and*
-   stores the same token bytes. Keys only index; they never decide. A hash
+   holds the same token bytes. Keys only index; they never decide. A hash
    collision (or a crafted one) ends the match early: it costs a miss, never a
    wrong prefix. ``statistics().collisions`` counts them.
 3. **Pins protect paths.** A plan in flight pins the *tip* of its matched
@@ -59,7 +76,7 @@ import numpy.typing as npt
 from .._errors import LayoutMismatch, LocalProtocolError
 from ._hash import as_tokens, block_hashes
 
-__all__ = ["CacheOp", "CacheStats", "InsertResult", "Match", "RadixCache", "split_blocks"]
+__all__ = ["CacheOp", "CacheStats", "InsertResult", "Match", "RadixCache"]
 
 
 class CacheOp(enum.IntEnum):
@@ -67,15 +84,29 @@ class CacheOp(enum.IntEnum):
     EVICT = 1
 
 
+class _Run:
+    """Consecutive blocks, each the parent of the next: flat buffers, one entry per node."""
+
+    __slots__ = ("alive", "block_ids", "keys", "size", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = bytearray()  # token bytes (little-endian uint32), block_size * 4 per node
+        self.keys = bytearray()  # chain keys (native uint64), 8 per node
+        self.block_ids: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        self.size = 0  # nodes ever added
+        self.alive = 0  # its nodes 0 .. alive - 1 are cached
+
+
 class _Node:
-    __slots__ = ("alive", "block_id", "children", "key", "parent", "pins", "tick", "tokens")
+    __slots__ = ("alive", "block_id", "children", "key", "parent", "pins", "pos", "run", "tick")
 
     def __init__(
-        self, key: int, parent: _Node | None, tokens: bytes, block_id: int, tick: int
+        self, key: int, parent: _Node | None, run: _Run, pos: int, block_id: int, tick: int
     ) -> None:
         self.key = key
         self.parent = parent
-        self.tokens = tokens
+        self.run = run
+        self.pos = pos
         self.block_id = block_id
         self.children = 0
         self.pins = 0
@@ -138,14 +169,11 @@ class CacheStats:
         return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
 
 
-def split_blocks(tokens: Any, block_size: int) -> list[bytes]:
-    """The token bytes of each full block (little-endian uint32), one C call."""
-    toks = as_tokens(tokens)
-    n = toks.size // block_size
-    if n == 0:
-        return []
-    out: list[bytes] = toks[: n * block_size].view(np.dtype((np.void, 4 * block_size))).tolist()
-    return out
+def _leading_equal(buf: bytearray, row: int, mine: npt.NDArray[Any]) -> int:
+    """How many leading rows of ``mine`` (2-D) equal ``buf``'s rows ``row ..``."""
+    offset = row * mine.itemsize * mine.shape[1]
+    theirs = np.frombuffer(buf, mine.dtype, mine.size, offset).reshape(mine.shape)
+    return int(np.argmax((theirs != mine).any(axis=1)))
 
 
 class RadixCache:
@@ -199,29 +227,20 @@ class RadixCache:
         Returns:
             A :class:`Match`; pass it to :meth:`pin` to keep it cached.
         """
-        blocks = split_blocks(tokens, self.block_size)
-        key_arr = self.hashes(tokens) if keys is None else np.asarray(keys, dtype=np.uint64)
-        if key_arr.size != len(blocks):
-            raise LayoutMismatch(f"{key_arr.size} keys for {len(blocks)} full blocks")
-        ids: list[int] = []
-        prev: _Node | None = None
-        nodes = self._nodes
-        for key, tok in zip(key_arr.tolist(), blocks, strict=True):
-            node = nodes.get(key)
-            if node is None:
-                break
-            if node.parent is not prev or node.tokens != tok:
-                self._collisions += 1
-                break
-            ids.append(node.block_id)
-            prev = node
+        toks = as_tokens(tokens)
+        n = toks.size // self.block_size
+        key_arr = self.hashes(toks) if keys is None else np.ascontiguousarray(keys, dtype=np.uint64)
+        if key_arr.size != n:
+            raise LayoutMismatch(f"{key_arr.size} keys for {n} full blocks")
+        hit, tip, pieces, _ = self._walk(toks, key_arr, n)
         if touch:
             self._lookups += 1
-            self._queried += len(blocks)
-            self._hits += len(ids)
-            if prev is not None:
-                self._touch(prev)
-        return Match(len(ids), np.array(ids, dtype=np.int64), key_arr, len(blocks), prev)
+            self._queried += n
+            self._hits += hit
+            if tip is not None:
+                self._touch(tip)
+        ids = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+        return Match(hit, ids, key_arr, n, tip)
 
     # -------------------------------------------------------------- pinning
     def pin(self, match: Match) -> int:
@@ -279,45 +298,45 @@ class RadixCache:
         Raises:
             LayoutMismatch: if there are fewer block ids than full blocks.
         """
-        blocks = split_blocks(tokens, self.block_size)
-        ids = [int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1).tolist()]
-        n = len(blocks)
+        toks = as_tokens(tokens)
+        bs = self.block_size
+        n = toks.size // bs
+        id_arr = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids: list[int] = id_arr.tolist()
         if len(ids) < n:
             raise LayoutMismatch(f"{len(ids)} block ids for {n} full blocks")
-        key_list = (self.hashes(tokens) if keys is None else np.asarray(keys, np.uint64)).tolist()
-        if len(key_list) != n:
-            raise LayoutMismatch(f"{len(key_list)} keys for {n} full blocks")
-        prev: _Node | None = None
+        key_arr = self.hashes(toks) if keys is None else np.ascontiguousarray(keys, np.uint64)
+        if key_arr.size != n:
+            raise LayoutMismatch(f"{key_arr.size} keys for {n} full blocks")
+        cached, prev, _, collided = self._walk(toks, key_arr, n)
+        if collided:
+            self._touch_if(prev)
+            return InsertResult(cached, 0, ids)
         nodes = self._nodes
-        cached = 0
-        i = 0
-        while i < n:
-            node = nodes.get(key_list[i])
-            if node is None:
-                break
-            if node.parent is not prev or node.tokens != blocks[i]:
-                self._collisions += 1
-                self._touch_if(prev)
-                return InsertResult(cached, 0, list(ids))
-            prev = node
-            cached += 1
-            i += 1
         new_keys: list[int] = []
         tick = self._next_tick()
-        while i < n:
-            key = key_list[i]
+        if prev is not None and prev.pos + 1 == prev.run.alive == prev.run.size:
+            run = prev.run  # the prefix ends where its run does: extend it
+        else:
+            run = _Run()
+        base = run.size
+        for j, key in enumerate(key_arr[cached:].tolist()):
             if key in nodes:  # an unrelated prefix owns this key: a collision
                 self._collisions += 1
                 break
-            node = _Node(key, prev, blocks[i], ids[i], tick)
+            node = _Node(key, prev, run, base + j, ids[cached + j], tick)
             if prev is not None:
                 prev.children += 1
             nodes[key] = node
             new_keys.append(key)
             prev = node
-            i += 1
         inserted = len(new_keys)
         if new_keys:
+            end = cached + inserted
+            run.tokens += toks[cached * bs : end * bs].data
+            run.keys += key_arr[cached:end].data
+            run.block_ids = np.concatenate((run.block_ids, id_arr[cached:end]))
+            run.size = run.alive = base + inserted
             self._inserted += inserted
             self._record(CacheOp.INSERT, new_keys)
         self._touch_if(prev)
@@ -338,6 +357,7 @@ class RadixCache:
             if not node.alive or node.children or node.pins or node.tick != tick:
                 continue
             node.alive = False
+            node.run.alive = node.pos  # its successors in the run went first
             del self._nodes[node.key]
             freed.append(node.block_id)
             keys.append(node.key)
@@ -387,6 +407,45 @@ class RadixCache:
         )
 
     # ----------------------------------------------------------- internals
+    def _walk(
+        self, toks: npt.NDArray[np.uint32], key_arr: npt.NDArray[np.uint64], n: int
+    ) -> tuple[int, _Node | None, list[npt.NDArray[np.int64]], bool]:
+        """The verified cached prefix of ``n`` blocks.
+
+        Follows rule 2 block by block, taking a run's agreeing blocks in one
+        step (module docstring), and counts a collision where one ends it.
+
+        Returns:
+            Its length, its tip, its block ids (in pieces) and whether a
+            collision ended it.
+        """
+        bs = self.block_size
+        nodes = self._nodes
+        pieces: list[npt.NDArray[np.int64]] = []
+        prev: _Node | None = None
+        i = 0
+        while i < n:
+            node = nodes.get(key_arr.item(i))
+            if node is None:
+                break
+            run, pos = node.run, node.pos
+            span = min(run.alive - pos, n - i) if node.parent is prev else 0
+            # Keys first (where the prompt leaves the run, they differ), then the
+            # tokens of the blocks whose keys agree; all equal is one memcmp each.
+            mine = key_arr[i : i + span]
+            if span and not run.keys.startswith(mine.data, pos * 8):
+                span = _leading_equal(run.keys, pos, mine.reshape(span, 1))
+            rows = toks[i * bs : (i + span) * bs]
+            if span and not run.tokens.startswith(rows.data, pos * 4 * bs):
+                span = _leading_equal(run.tokens, pos, rows.reshape(span, bs))
+            if span == 0:
+                self._collisions += 1
+                return i, prev, pieces, True
+            pieces.append(run.block_ids[pos : pos + span])
+            i += span
+            prev = node if span == 1 else nodes[key_arr.item(i - 1)]
+        return i, prev, pieces, False
+
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
