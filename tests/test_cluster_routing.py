@@ -89,6 +89,11 @@ async def test_a_session_stays_on_the_md_holding_its_prefix_and_relays_share_the
     got: dict[int, list[int]] = {}
     async with cluster(2, 2) as (pm, p, _rlds, _mds):
         released: dict[int, trio.Event] = {}
+        # Later turns are routed only once every first turn has landed: a first
+        # turn still queued to an MD is (rightly) bytes ahead of a later turn's
+        # delta there, and could tip it onto a relay (seen in CI under load).
+        firsts_landed: list[int] = []
+        all_firsts_landed = trio.Event()
 
         async def releases() -> None:
             while True:
@@ -103,6 +108,7 @@ async def test_a_session_stays_on_the_md_holding_its_prefix_and_relays_share_the
                 rid = 100 * (s + 1) + t
                 released.setdefault(rid, trio.Event())
                 if t:
+                    await all_firsts_landed.wait()
                     await wait_cached(p, subs[s, 0].main, turns[t - 1])
                 pm.reserve(seq, len(prompt))
                 seq.length = done
@@ -115,6 +121,10 @@ async def test_a_session_stays_on_the_md_holding_its_prefix_and_relays_share_the
                 )
                 got[rid] = await stream.result()
                 await released[rid].wait()
+                if not t:
+                    firsts_landed.append(s)
+                    if len(firsts_landed) == len(sessions):
+                        all_firsts_landed.set()
                 records.append(
                     {
                         "request_id": rid,
