@@ -504,6 +504,24 @@ class ControlNode:
                 self._nursery.start_soon(self._watch, pump)
         self._dealers[peer] = group[0]
 
+    def disconnect(self, peer: str) -> None:
+        """Close our DEALER(s) to ``peer`` (twins included) and forget its twin routes.
+
+        Each socket's reader (and monitor) stops, writers parked on it wake
+        (their sends fail or take the ROUTER route), and zmq closes the TCP
+        connections at once (``LINGER`` 0: frames still queued to the peer
+        are dropped). A request waiting for the peer's reply gets none on the
+        closed socket and times out. Afterwards ``send`` and ``request`` reach
+        ``peer`` only through a connection it opened to us (else they raise
+        :class:`PeerUnavailable`), and :meth:`connect` opens new connections.
+        An unknown peer is ignored.
+        """
+        primary = self._dealers.pop(peer, None)
+        if primary is not None:
+            for pump in primary.group:
+                pump.close()
+        self._twin_routes.pop(peer, None)
+
     async def send(self, peer: str, msg: Message, *, timeout: float = K_DEFAULT_TIMEOUT) -> None:
         """Send a one-way event to ``peer``.
 
