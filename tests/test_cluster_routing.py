@@ -295,3 +295,67 @@ async def test_p_passes_each_mds_load_and_the_router_weighs_it() -> None:
             md0 = next(c for c in sub.decision.candidates if c.name == "md0")
             assert (md0.active, md0.verdict) == (30, Verdict.LANDS_LATER)
             await stream_b.result()
+
+
+async def test_an_md_back_under_its_name_with_new_addresses_is_a_new_incarnation() -> None:
+    """md0 restarts (a new process: new addresses) and registers again before
+    its old lease ran out, so the directory reports a MemberUpdated, not a
+    leave and a join. P must drop everything of the old md0 (its control
+    connection, sender, cache mirror, link estimate, in-flight transfers) and
+    connect the new one. (It used to keep the old one: only a name it did not
+    know was connected.)"""
+    from pddnet.cache import block_hashes
+    from pddnet.directory import MemoryDirectory
+
+    pm = _model()
+    d = MemoryDirectory("incarnations")
+    rng = np.random.default_rng(13)
+    a = rng.integers(0, TINY.vocab_size, 200).tolist()
+    keys = block_hashes(a, pm.pool.layout.block_size)
+    m_old, m_new = _model(), _model()
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY, router=Router(POLICY, SLOW)) as p,
+        MainEndpoint("md0", m_old.pool, ReferenceEngine(m_old), secret=KEY) as old,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(p.follow, d)
+        with trio.fail_after(30):
+            await old.connect_peer(p.info())
+            await d.register(old.info())
+            while "md0" not in p.mirrors:
+                await trio.sleep(0.01)
+            seq = pm.new_sequence()
+            pm.reserve(seq, len(a))
+            first = greedy(pm.extend(seq, a))
+            blocks = seq.block_table.tolist()
+            stream = p.sink.open(1, deadline_s=30, max_tokens=4)
+            await p.submit(1, a, blocks, first, 4, sink="p")
+            await stream.result()
+            await wait_cached(p, "md0", a)  # the old md0 holds A
+            p.router.update_link(bandwidth_bytes_s=1e6, main="md0")  # the old one's link
+            # a request in flight to the old md0 (its KV held back)
+            held = p.sink.open(2, deadline_s=30, max_tokens=4)
+            await p.submit(2, a, blocks, first, 4, sink="p", main="md0", ready=False)
+            async with MainEndpoint("md0", m_new.pool, ReferenceEngine(m_new), secret=KEY) as new:
+                await new.connect_peer(p.info())
+                assert new.info() != old.info()
+                await d.register(new.info())  # the same key, not yet expired: an update
+                while p.mirrors["md0"].predict(keys) == len(keys):
+                    await trio.sleep(0.01)
+                # nothing of the old one: its mirror, link and transfer are gone
+                assert p.mirrors["md0"].predict(keys) == 0
+                assert "md0" not in p.router.statistics().links
+                events = [await p.next_event() for _ in range(2)]
+                assert [(e.request_id, e.error is None) for e in events] == [(1, True), (2, False)]
+                with trio.move_on_after(15), contextlib.suppress(Exception):
+                    await held.result()
+                assert held.done and held.error is not None
+                # the next request goes to the new md0, over the new connections
+                stream = p.sink.open(3, deadline_s=30, max_tokens=4)
+                sub = await p.submit(3, a, blocks, first, 4, sink="p")
+                assert sub.main == "md0" and sub.hit_blocks == 0
+                assert len(await stream.result()) == 4
+                assert (await p.next_event()).error is None
+                assert (new.statistics().offers, old.statistics().offers) == (1, 2)
+                assert p.statistics().held_blocks == 0
+        nursery.cancel_scope.cancel()

@@ -209,6 +209,7 @@ class PrefillEndpoint:
         self._senders: dict[str, Sender] = {}
         self._sender_scopes: dict[str, trio.CancelScope] = {}
         self._roles: dict[str, str] = {}
+        self._infos: dict[str, EndpointInfo] = {}  # decoder -> the handshake it was connected by
         self._reqs: dict[int, _Req] = {}
         self._events_in, self._events = trio.open_memory_channel[BlocksReleased](1 << 16)
         self._lease_changed = trio.Event()
@@ -297,6 +298,7 @@ class PrefillEndpoint:
         self._senders[info.name] = sender
         self._sender_scopes[info.name] = scope
         self._roles[info.name] = info.role
+        self._infos[info.name] = info
         if info.role == "main":
             mirror = self.mirrors[info.name] = CacheMirror(
                 self.pool.layout.block_size, bytes_per_token=self.pool.layout.kv_bytes_per_token
@@ -305,14 +307,17 @@ class PrefillEndpoint:
 
     def remove_peer(self, name: str) -> None:
         """Stop routing to decoder ``name`` (it left the directory, or died):
-        its sender closes, its mirror, load and link estimate go. Requests
-        in flight to it end as the fault tables promise: their transfers to
-        it are cancelled (:class:`BlocksReleased` with the error, the RLD
-        slot given back) and their other decoders fail them on their own
-        timers. Unknown names are ignored."""
+        its sender and our control connections to it close
+        (:meth:`ControlNode.disconnect`), its mirror, load and link estimate
+        go. Requests in flight to it end as the fault tables promise: their
+        transfers to it are cancelled (:class:`BlocksReleased` with the
+        error, the RLD slot given back) and their other decoders fail them
+        on their own timers. Unknown names are ignored."""
         role = self._roles.pop(name, None)
         if role is None:
             return
+        self._infos.pop(name, None)
+        self.node.disconnect(name)
         scope = self._sender_scopes.pop(name, None)
         if scope is not None:
             scope.cancel()
@@ -332,7 +337,11 @@ class PrefillEndpoint:
         """Follow the directory (:meth:`~pddnet.directory.Directory.watch`):
         a decoder that joins is connected (:meth:`connect_peer`), an MD's
         load update is passed to the router (:meth:`set_main_load`), and a
-        decoder that left is removed (:meth:`remove_peer`). Other roles,
+        decoder that left is removed (:meth:`remove_peer`). A decoder that
+        comes back under its name with another handshake (a new process:
+        new addresses), even before its old lease expired, is a new
+        incarnation: the old one is removed first, so no connection, mirror,
+        load, link estimate or transfer of it carries over. Other roles,
         and ourselves, are ignored.
 
         Raises:
@@ -348,7 +357,10 @@ class PrefillEndpoint:
         member = event.member
         if member.role not in ("relay", "main") or member.name == self.name:
             return
-        if member.name not in self._roles:
+        known = self._infos.get(member.name)
+        if known != member.info:
+            if known is not None:
+                self.remove_peer(member.name)
             await self.connect_peer(member.info)
         if member.role == "main":
             self.set_main_load(member.name, member.load.active, member.load.capacity)
