@@ -38,7 +38,11 @@ async def test_attack1_descriptor_flood_on_the_control_port() -> None:
         )
     _survived(r)
     f = r.figures
-    assert f["fds"][1] >= 256 - 8, f  # the server did run out of descriptors
+    # the server did run out of descriptors: once the strangers held all but 8
+    # (or after 2 s, if zmq had not accepted that many under load) it took the
+    # rest itself until EMFILE, and kept them until the strangers left, so what
+    # follows happened with no descriptor to spare
+    assert f["fill_error"] == "EMFILE" and f["fds"][1] >= 256 - 8, f
     assert f["connected_pings_answered"] == 3, f  # the node already connected is served
     # zmq closes a connection that has not finished its handshake after 3 s
     # (old code: 30 s for a silent one, never for a zmq stranger)...
@@ -46,7 +50,7 @@ async def test_attack1_descriptor_flood_on_the_control_port() -> None:
     # ... so a newcomer gets in (typically after 2 to 3 s; its SYN may wait
     # for the kernel's retry at 3 or 7 s when the backlog was full)
     assert f["new_node_answered_s"] is not None and f["new_node_answered_s"] < 8.0, f
-    assert f["fds"][2] <= f["fds"][0] + 4, f  # back to the baseline once they left
+    assert f["fds"][2] <= f["fds"][0] + 4, f  # back to the baseline once they (and the fill) left
     assert r.honest_failed == 0, r
 
 
