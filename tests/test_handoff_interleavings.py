@@ -5,7 +5,9 @@ lost messages, slow recomputes, crashes, cancels and early finishes, and
 checks the invariants after every step:
 
 * the user's stream is the model's sequence: each position once, in order,
-  with the model's token;
+  with the model's token (with RLD's playout buffer, MD's first tokens may
+  come before the last ones RLD held, as a sink sees them: they wait there
+  for the hole to fill; nothing else may come early);
 * at most one live owner emits (RLD in an emitting state and MD in OWNER
   never coincide);
 * rounds never exceed ``max_rounds`` and non-final batches never go below
@@ -70,6 +72,8 @@ class HandoffNet(RuleBasedStateMachine):
         self.now = 0.0
         self.net: list[tuple[str, Message]] = []
         self.stream: list[int] = []
+        self.early: dict[int, int] = {}  # (playout) MD's tokens past a hole RLD will fill
+        self.held_lost = False  # RLD died holding tokens (playout): a hole nobody fills
         self.violations: list[str] = []
         self.recompute: int | None = None
         self.alive = {"rld": True, "md": True}
@@ -95,6 +99,7 @@ class HandoffNet(RuleBasedStateMachine):
         kv_after=st.integers(-30, 120),
         split=st.sampled_from([4096, 4096, 5]),
         chaos_after=st.sampled_from(["start", "handoff", "switch", "owner"]),
+        playout=st.sampled_from([0.0, 0.0, 0.025]),
     )
     def setup(
         self,
@@ -110,6 +115,7 @@ class HandoffNet(RuleBasedStateMachine):
         kv_after: int,
         split: int,
         chaos_after: str,
+        playout: float,
     ) -> None:
         self.params = HandoffParams(
             mode=mode,
@@ -125,6 +131,7 @@ class HandoffNet(RuleBasedStateMachine):
             idle_timeout_s=5.0,
             recompute_timeout_s=2.0,
             max_message_tokens=split,
+            playout_s=playout,
         )
         self.kv_never = kv_never
         # The KV lands once RLD has generated kv_after tokens (or stopped), and
@@ -154,13 +161,21 @@ class HandoffNet(RuleBasedStateMachine):
         peer = "md" if who == "rld" else "rld"
         for o in outs:
             if isinstance(o, Emit):
-                if o.position != len(self.stream):
-                    self.violations.append(
-                        f"{who} emitted position {o.position}, stream at {len(self.stream)}"
-                    )
-                elif o.token != model(o.position):
+                if o.token != model(o.position):
                     self.violations.append(f"{who} emitted a wrong token at {o.position}")
-                self.stream.append(o.token)
+                if o.position < len(self.stream) or o.position in self.early:
+                    self.violations.append(f"{who} emitted position {o.position} twice")
+                elif o.position > len(self.stream):
+                    if not (who == "md" and self.params.playout_s and self.rld.holding):
+                        self.violations.append(
+                            f"{who} emitted position {o.position}, stream at {len(self.stream)}"
+                        )
+                    event("md ahead of the tokens rld holds")
+                    self.early[o.position] = o.token
+                else:
+                    self.stream.append(o.token)
+                    while len(self.stream) in self.early:
+                        self.stream.append(self.early.pop(len(self.stream)))
             elif isinstance(o, SendMessage):
                 self.net.append((peer, o.message))
             elif isinstance(o, StartRecompute):
@@ -293,6 +308,9 @@ class HandoffNet(RuleBasedStateMachine):
             who = "md" if self.md.state is M.OWNER else "rld"
         self.crashed = who
         event(f"crash {who} in {self.md.state.name}/{self.rld.state.name}")
+        if who == "rld" and self.rld.holding:
+            self.held_lost = True
+            event("rld crashed holding tokens")
         self.alive[who] = False
         if who == "md":
             self.recompute = None
@@ -376,6 +394,10 @@ class HandoffNet(RuleBasedStateMachine):
             assert self.md_freed, "MD left without freeing its blocks"
         if (self.crashed == "md" and self.md_owned) or self.orphaned:
             return  # the sole owner died: the request is lost with it
+        if self.held_lost:
+            # RLD died holding tokens it had not shown (playout): the user's
+            # stream keeps that hole and its sink fails it (docs/handoff.md).
+            return
         if self.cancelled:
             return
         timed_out = any(

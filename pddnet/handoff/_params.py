@@ -54,6 +54,19 @@ class HandoffParams:
             predicted duration).
         max_message_tokens: most token ids per ``TokenBatch`` message; larger
             batches are split (the receiver's ``ControlLimits.max_tokens`` is 8192).
+        playout_s: RLD's playout buffer (0: off). While MD may yet take over,
+            RLD shows each token it decodes up to this long after decoding it
+            (the delay ramps up by half a decode interval per token, so no gap
+            grows by more than that); when it sends the final batch, it spreads
+            the tokens it still holds evenly up to MD's predicted first token
+            (``rtt_s`` plus one decode interval after the batch), so the switch
+            stall becomes several smaller gaps. What it costs: RLD's tokens
+            reach the user up to ``playout_s`` later, and the spread may move a
+            held token later still, never past MD's predicted first token
+            (``RelayStats.playout_*`` count it); P's first token, the last
+            token of a request RLD finishes (it flushes what is held) and MD's
+            tokens are not delayed. docs/handoff.md, "Playout", says what else
+            it trades.
     """
 
     mode: HandoffMode = HandoffMode.CATCH_UP
@@ -72,6 +85,7 @@ class HandoffParams:
     idle_timeout_s: float = 10.0
     recompute_timeout_s: float = 5.0
     max_message_tokens: int = 4096
+    playout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.final_switch_size < 0 or self.min_batch < 1:
@@ -82,6 +96,8 @@ class HandoffParams:
             raise ValueError("max_rounds must be >= 1 and max_retries >= 0")
         if self.recompute_rate <= 0 or self.rtt_s < 0:
             raise ValueError("recompute_rate must be > 0 and rtt_s >= 0")
+        if self.playout_s < 0:
+            raise ValueError("playout_s must be >= 0")
         if self.max_message_tokens < 1:
             raise ValueError("max_message_tokens must be >= 1")
         if not 0 < self.min_shrink <= 1:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import enum
+import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from .._errors import PeerUnavailable, RemoteProtocolError, TransferTimeout
 from ._events import (
@@ -30,7 +33,22 @@ __all__ = ["RelayHandoff", "RelayStats"]
 
 R = RelayState
 _EMITTING = (R.DECODING, R.CATCHING_UP, R.SOLO)
+_HOLDING = (R.DECODING, R.CATCHING_UP, R.SWITCHING)  # playout: MD may yet take over
+_DROP_HELD = (R.CANCELLED, R.ERROR)  # held tokens nobody should see any more
 _EWMA = 0.25  # weight of the newest sample in rate estimates
+# Playout: the delay grows by at most this fraction of the decode interval per
+# token, so a ramping gap is at most 1.5 intervals (the demo's cadence jitter
+# alone reaches that: its baseline's largest gap is 24-33 ms at 20 ms steps).
+K_PLAYOUT_RAMP = 0.5
+
+
+class _Held(NamedTuple):
+    """A token RLD decoded but shows later (playout)."""
+
+    position: int
+    token: int
+    decoded_at: float
+    show_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +66,9 @@ class RelayStats:
         max_gap_s: the largest gap between two of RLD's emits.
         first_emit_at, last_emit_at: times of RLD's first and last emits.
         final_position: where RLD stopped emitting, once the final batch is out.
+        playout_tokens: tokens shown later than decoded (``playout_s``).
+        playout_total_s, playout_max_s: the sum and the largest of those
+            delays (decode to emit), the playout buffer's cost.
     """
 
     request_id: int
@@ -62,6 +83,9 @@ class RelayStats:
     first_emit_at: float | None
     last_emit_at: float | None
     final_position: int | None
+    playout_tokens: int = 0
+    playout_total_s: float = 0.0
+    playout_max_s: float = 0.0
 
 
 class RelayHandoff(HandoffMachine):
@@ -110,6 +134,11 @@ class RelayHandoff(HandoffMachine):
         self._abort_sent: AbortReason | None = None
         self._last_token_at: float | None = None
         self._interval: float | None = None
+        self._held: collections.deque[_Held] = collections.deque()  # playout, in order
+        self._lag = 0.0  # the playout delay of the latest held token
+        self.playout_tokens = 0
+        self.playout_total_s = 0.0
+        self.playout_max_s = 0.0
 
     # ------------------------------------------------------------ public API
     @property
@@ -124,6 +153,11 @@ class RelayHandoff(HandoffMachine):
         return self._state in _EMITTING
 
     @property
+    def holding(self) -> int:
+        """Tokens decoded but not shown yet (the playout buffer, ``playout_s``)."""
+        return len(self._held)
+
+    @property
     def decode_rate(self) -> float | None:
         """RLD's measured decode speed in tokens/s (None before two tokens)."""
         if self._interval is None or self._interval <= 0:
@@ -132,11 +166,15 @@ class RelayHandoff(HandoffMachine):
 
     def get_timer(self) -> float | None:
         """The next deadline at which the driver must feed :class:`Timer`, or None."""
+        deadline = None
         if self._state is R.DECODING:
-            return self._kv_deadline
-        if self._state in (R.CATCHING_UP, R.SWITCHING):
-            return self._ack_deadline
-        return None
+            deadline = self._kv_deadline
+        elif self._state in (R.CATCHING_UP, R.SWITCHING):
+            deadline = self._ack_deadline
+        if self._held:
+            show = self._held[0].show_at
+            deadline = show if deadline is None else min(deadline, show)
+        return deadline
 
     def statistics(self, now: float) -> RelayStats:
         """A frozen snapshot of this request's RLD-side metrics."""
@@ -154,18 +192,82 @@ class RelayHandoff(HandoffMachine):
             self.first_emit_at,
             self.last_emit_at,
             self.final_end,
+            self.playout_tokens,
+            self.playout_total_s,
+            self.playout_max_s,
         )
 
     # --------------------------------------------------------------- helpers
-    def _emit(self, token: int, now: float) -> None:
+    def _emit(self, token: int, now: float, *, last: bool = False) -> None:
+        """The engine decoded ``token`` at ``now``: show it now, or hold it
+        (playout) until its time; ``last`` (the request's last token) shows
+        everything now."""
         if self._last_token_at is not None:
             dt = now - self._last_token_at
             old = self._interval
             self._interval = dt if old is None else (1 - _EWMA) * old + _EWMA * dt
         self._last_token_at = now
-        self._out.append(Emit(len(self.tokens), token))
+        position = len(self.tokens)
         self.tokens.append(token)
+        show = now if last else self._playout_time(position, now)
+        if show > now:
+            self._held.append(_Held(position, token, now, show))
+            return
+        self._show_held(math.inf, now)  # what it held goes first, in order
+        self._show(position, token, now, now)
+
+    def _playout_time(self, position: int, now: float) -> float:
+        """When to show the token decoded at ``now`` (``now``: at once)."""
+        p = self.params
+        if not p.playout_s or position == 0 or self._state not in _HOLDING:
+            return now  # off, P's first token (TTFT), or no switch to come
+        if self._interval is None:
+            return now
+        self._lag = min(p.playout_s, self._lag + K_PLAYOUT_RAMP * self._interval)
+        after = self._held[-1].show_at if self._held else now
+        return max(now + self._lag, after)
+
+    def _show(self, position: int, token: int, decoded_at: float, now: float) -> None:
+        self._out.append(Emit(position, token))
         self._note_emit(now)
+        delay = now - decoded_at
+        if delay > 0:
+            self.playout_tokens += 1
+            self.playout_total_s += delay
+            self.playout_max_s = max(self.playout_max_s, delay)
+
+    def _show_held(self, until: float, now: float) -> bool:
+        """Show the held tokens due by ``until`` (in order); True if any."""
+        shown = False
+        while self._held and self._held[0].show_at <= until:
+            h = self._held.popleft()
+            self._show(h.position, h.token, h.decoded_at, now)
+            shown = True
+        return shown
+
+    def _spread_held(self, now: float) -> None:
+        """The final batch is out: spread the held tokens evenly between the
+        last token shown and MD's predicted first one (``rtt_s`` plus one
+        decode interval from now): each gap is the same, and the last held
+        token goes out one gap before MD's."""
+        if not self._held:
+            return
+        since = self.last_emit_at if self.last_emit_at is not None else now
+        md_first = now + self.params.rtt_s + (self._interval or 0.0)
+        step = (md_first - since) / (len(self._held) + 1)
+        self._held = collections.deque(
+            h._replace(show_at=since + k * step) for k, h in enumerate(self._held, 1)
+        )
+
+    def _set_state(self, new: enum.Enum, label: str, now: float) -> None:
+        # Leaving the states in which MD may yet take over: the held tokens go
+        # out now (before a Done), or nowhere if the request is given up.
+        if self._held and new not in _HOLDING:
+            if new in _DROP_HELD:
+                self._held.clear()
+            else:
+                self._show_held(math.inf, now)
+        super()._set_state(new, label, now)
 
     def _send(self, message: TokenBatch | HandoffAbort) -> None:
         self._out.append(SendMessage(message))
@@ -196,6 +298,7 @@ class RelayHandoff(HandoffMachine):
         self.batch_sizes.append(end - start)
         if final:
             self.final_end = end
+            self._spread_held(now)
         else:
             self._last_batch = end - start
         self._retries = 0
@@ -266,7 +369,7 @@ class RelayHandoff(HandoffMachine):
 
     # -------------------------------------------------------------- handlers
     def _on_token(self, ev: TokenGenerated, now: float) -> str:
-        self._emit(ev.token, now)
+        self._emit(ev.token, now, last=ev.finish is not None)
         if ev.finish is not None:
             return self._finish()
         if self._state is R.CATCHING_UP and self.acked == self.sent_end:
@@ -365,6 +468,11 @@ class RelayHandoff(HandoffMachine):
         return "failed"
 
     def _on_timer(self, ev: Timer, now: float) -> str:
+        shown = self._show_held(now, now)
+        label = self._on_deadline(now)
+        return "show" if shown and label == "wait" else label
+
+    def _on_deadline(self, now: float) -> str:
         if self._state is R.DECODING:
             if self._kv_deadline is not None and now >= self._kv_deadline:
                 self._kv_deadline = None

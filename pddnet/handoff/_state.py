@@ -42,8 +42,10 @@ Invariants, and why they hold.
 1. *The user's stream is the model's sequence: every token once, in order,
    no gaps.* Positions are assigned by the machine that emits, from a counter
    that only advances by one per emitted token. RLD emits positions
-   ``0..final_end-1`` and nothing after it has sent the final batch (it sends
-   the final batch, and changes state, in the same step). MD emits only after
+   ``0..final_end-1`` and, once it has sent the final batch (it sends the
+   final batch, and changes state, in the same step), only those of them it
+   still holds for the playout (below): it holds tokens it decoded, in order,
+   and shows them in that order before any later one. MD emits only after
    :class:`TakeOver`, starting at ``final_end``, which is the end of the final
    batch it received and recomputed. Batches carry absolute positions; MD
    appends a batch only where it is contiguous with what it holds, stashes
@@ -58,6 +60,12 @@ Invariants, and why they hold.
    or MD died and the user's stream shows that MD emitted nothing
    (``PeerFailed.user_position == final_end``). MD leaves ``OWNER`` only to a
    terminal state. During the switch no one emits: that gap is the stall.
+   With a playout buffer (``playout_s > 0``) RLD may still show, in
+   ``SWITCHING``, tokens it decoded before the final batch, all below
+   ``final_end``, while MD emits from ``final_end``: each *position* still
+   has one owner. RLD shows whatever it still holds when it leaves
+   ``SWITCHING`` (released, resumed, failed) and drops it when the request
+   is cancelled.
 
 3. *RLD is released after a bounded number of rounds.* Every batch counts
    as a round (retransmissions do not), and ``max_rounds`` includes the final
@@ -76,6 +84,13 @@ Invariants, and why they hold.
    never carries fewer than ``min_batch`` tokens: a smaller remainder waits
    for more tokens or rides in the final switch. MD likewise recomputes
    everything it holds in one extend pass.
+
+Playout. While MD may yet take over, RLD can show each token a little after
+decoding it (``playout_s``; the delay ramps up by half a decode interval per
+token and P's first token is never held). When it sends the final batch it
+spreads what it holds evenly up to MD's predicted first token, so the switch
+stall is cut into gaps of about ``stall / (held + 1)``. Batches carry every
+decoded token, held or not: MD's timing does not change.
 
 Failures. Every wait has a deadline (KV landing, acks with retransmission,
 MD's idle wait for batches, a recompute); see the failure table in
@@ -168,7 +183,7 @@ RELAY_TABLE: _Edges = {
     (R.DECODING, BatchAcked): {"ignore": R.DECODING},
     (R.DECODING, PeerAborted): {"keep": R.SOLO, "cancelled": R.CANCELLED},
     (R.DECODING, PeerFailed): {"keep": R.SOLO},
-    (R.DECODING, Timer): {"wait": R.DECODING, "kv timeout": R.SOLO},
+    (R.DECODING, Timer): {"wait": R.DECODING, "show": R.DECODING, "kv timeout": R.SOLO},
     (R.DECODING, Cancel): {"cancelled": R.CANCELLED},
     # CATCHING_UP: at most one batch in flight; RLD still emits.
     (R.CATCHING_UP, TokenGenerated): {"emit": R.CATCHING_UP, "finished": R.FINISHED}
@@ -180,17 +195,19 @@ RELAY_TABLE: _Edges = {
     (R.CATCHING_UP, PeerFailed): {"keep": R.SOLO},
     (R.CATCHING_UP, Timer): {
         "wait": R.CATCHING_UP,
+        "show": R.CATCHING_UP,
         "retransmit": R.CATCHING_UP,
         "ack timeout": R.SOLO,
     },
     (R.CATCHING_UP, Cancel): {"cancelled": R.CANCELLED},
-    # SWITCHING: the final batch is out; RLD emits nothing and waits for MD.
+    # SWITCHING: the final batch is out; RLD emits only the tokens it held (playout).
     (R.SWITCHING, KvLanded): {"ignore": R.SWITCHING},
     (R.SWITCHING, BatchAcked): {"wait": R.SWITCHING, "released": R.RELEASED},
     (R.SWITCHING, PeerAborted): {"resume": R.SOLO, "cancelled": R.CANCELLED},
     (R.SWITCHING, PeerFailed): {"resume": R.SOLO, "failed": R.FAILED},
     (R.SWITCHING, Timer): {
         "wait": R.SWITCHING,
+        "show": R.SWITCHING,
         "retransmit": R.SWITCHING,
         "ack timeout": R.FAILED,
     },
