@@ -108,6 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " KV lands (default: HandoffParams' 64; 16 with --engine vllm, whose extend costs"
         " one engine step whatever its size, so catch-up runs on the demo's short answers)",
     )
+    parser.add_argument(
+        "--playout-ms",
+        type=float,
+        default=40.0,
+        help="RLD's playout buffer (HandoffParams.playout_s; 0: off): RLD shows its tokens up to"
+        " this much later while MD may take over, spreading the switch stall over them; the"
+        " summary reports what it added (playout_added_ms_*) (default %(default)s)",
+    )
     parser.add_argument("--loopback", action="store_true", help="skip the emulated WAN")
     parser.add_argument(
         "--local-path",
@@ -171,6 +179,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "join_timeout_s": 300.0 if args.engine == "vllm" else 30.0,
         "phase_timeout_s": 600.0,
         "staging_blocks": 1024,
+        "playout_s": args.playout_ms / 1000,
     }
 
 
@@ -480,6 +489,18 @@ def summarize(
 
     relay_reqs = stats.get("pdd", {}).get("relay", {}).get("requests", [])
     rounds = [r.get("rounds", 0) for r in relay_reqs]
+    held = sum(r.get("playout_tokens", 0) for r in relay_reqs)
+    held_s = sum(r.get("playout_total_s", 0.0) for r in relay_reqs)
+
+    def completion_ms(phase: str) -> float:
+        # mean time from submission to a request's last token
+        ends = [
+            max(t[0] for t in rec["tokens"])
+            for rec in records
+            if rec["phase"] == phase and rec["tokens"]
+        ]
+        return 1e3 * float(np.mean(ends)) if ends else float("nan")
+
     low_pdd, low_base = ttft("pdd", True), ttft("baseline", True)
     wan, saved = p_stat("pdd", "wan_bytes"), p_stat("pdd", "wan_bytes_saved")
     return {
@@ -503,6 +524,14 @@ def summarize(
         "handoff_rounds_max": int(max(rounds, default=0)),
         "max_stall_ms": max((r["max_gap_ms"] for r in pdd), default=0.0),
         "max_stall_ms_baseline": max((r["max_gap_ms"] for r in by_phase["baseline"]), default=0.0),
+        # RLD's playout buffer (HandoffParams.playout_s): what it cost, per RLD token it held
+        "playout_tokens": int(held),
+        "playout_share_of_rld_tokens": held / rld_tokens if rld_tokens else 0.0,
+        "playout_added_ms_mean": 1e3 * held_s / held if held else 0.0,
+        "playout_added_ms_max": 1e3
+        * max((r.get("playout_max_s", 0.0) for r in relay_reqs), default=0.0),
+        "completion_ms_mean_pdd": completion_ms("pdd"),
+        "completion_ms_mean_baseline": completion_ms("baseline"),
     }
 
 

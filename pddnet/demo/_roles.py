@@ -63,6 +63,7 @@ async def serve_decoder(role: str, cfg: dict[str, Any], pool: KVPool, engine: De
         rtt_s=cfg["rtt_s"],
         recompute_rate=20000.0,
         catchup_threshold=cfg["catchup_threshold"],
+        playout_s=cfg.get("playout_s", 0.0),
     )
     # The relay's local path: UCX (RelayEndpoint's default where ucxx imports)
     # unless the demo chose TCP (--local-path tcp, or its UCX probe failed
