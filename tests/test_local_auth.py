@@ -63,8 +63,8 @@ async def main():
         print(json.dumps({
             "b_equal": bool(np.array_equal(b, want)),
             "a_untouched": bool((a == 0xA5).all()),
-            "a_unbound": rx._transfers[ga.transfer_id].sender is None,
-            "a_running": rx._transfers[ga.transfer_id].state is TransferState.RUNNING,
+            "a_unbound": rx._grants.transfers[ga.transfer_id].sender is None,
+            "a_running": rx._grants.transfers[ga.transfer_id].state is TransferState.RUNNING,
             "auth_failures": st.auth_failures,
             "errors_typed": all(isinstance(e, AuthError) for e in rx.auth_errors),
             "errors": [str(e) for e in rx.auth_errors],
@@ -86,7 +86,7 @@ from pddnet.transport import Grant
 from pddnet.transport.local import UcxSender, UcxWorker
 from pddnet.transport.local._auth import K_TAG_CTRL_RX, legacy_tags
 from pddnet.transport.local._addressing import parse_address
-from pddnet.transport.local._transport import _Ctl, _pack
+from pddnet.transport.local._messages import Ctl as _Ctl, pack as _pack
 
 SECRET = sys.argv[1].encode()
 LENS = [4096, 20000, 100]
@@ -221,7 +221,7 @@ async def main():
             print("REFUSED", rx.statistics().auth_failures, exc, flush=True)
     # a receiver that never answers: a bounded AuthError, not a hang
     async with UcxReceiver(secret=K) as rx:
-        rx._on_hello = lambda *a: None  # deaf: ignores every HELLO
+        rx._admission.on_hello = lambda *a: None  # deaf: ignores every HELLO
         try:
             with trio.fail_after(10):
                 async with UcxSender(rx.address, secret=K, auth_timeout=0.5):
@@ -317,7 +317,7 @@ import os, sys, trio, numpy as np
 from pddnet import RemoteProtocolError
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
-from pddnet.transport.local._transport import _Ctl, _pack
+from pddnet.transport.local._messages import Ctl as _Ctl, pack as _pack
 
 K = b"local-path-secret-0123456789"
 RANGES = ByteRanges.build([0, 0, 0], [0, 1000, 3000], [500, 1200, 2396], [0, 0, 0])  # 4 KiB
@@ -340,7 +340,7 @@ async def main():
         before = dst.copy()
         g2 = rx.grant([dst], RANGES, timeout=10)
         msg = _pack(_Ctl.DATA, tx.sender_id, g2.transfer_id, 0, b"\\xee" * (4096 - 1))
-        tx._send_ctrl(tx._data_ep, tx._tags.rx_tag, msg)
+        tx._service.send_ctrl(tx._session.data_ep, tx._session.tags.rx_tag, msg)
         try:
             with trio.fail_after(10):
                 await rx.wait_transfer(g2.transfer_id)
@@ -389,7 +389,7 @@ async def main():
             for g in gs:
                 await rx.wait_transfer(g.transfer_id)
         want = (np.arange(dst.size) % 253).astype(np.uint8)
-        print("RX", np.array_equal(dst, want), rx._worker.poll_rounds > 0, flush=True)
+        print("RX", np.array_equal(dst, want), rx._service.worker.poll_rounds > 0, flush=True)
 
 """
     + RUN_MAIN

@@ -61,7 +61,7 @@ async def main():
             await rx.wait_transfer(g.transfer_id)
             assert (dst == src).all()
             if ORDER == "rx_first_halted":
-                tx._worker.halt()  # never progressed again
+                tx._service.worker.halt()  # never progressed again
             moved.set()
             await tx_go.wait()
         rx_go.set()

@@ -275,7 +275,7 @@ RETIRE = (
 import gc, os, sys, trio, weakref, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
-from pddnet.transport.local import _transport
+from pddnet.transport.local import _rx_sessions
 
 SECRET = b"pddnet-session-workers-secret-01"
 R = ByteRanges.build([0, 0], [0, 1 << 20], [1 << 20, 1 << 20], [0, 0])
@@ -302,7 +302,7 @@ async def main():
         for i in range(1, 6):  # senders come and go: their workers go with them
             async with UcxSender(rx.address, secret=SECRET) as tx:
                 await one(rx, tx, i)
-                ref = weakref.ref(next(iter(rx._sessions.values())).worker)
+                ref = weakref.ref(next(iter(rx._sessions.live.values())).worker)
             await trio.sleep(0.7)  # BYE's grace (0.5 s)
             st = rx.statistics()
             print("LIVE", st.session_workers, ref() is None, flush=True)
@@ -311,7 +311,7 @@ async def main():
         st = rx.statistics()
         print("AFTER", st.session_workers, st.senders, fds() - base, flush=True)
         # the bound: at most 2 workers; a third sender evicts the oldest idle session
-        _transport.K_MAX_SESSION_WORKERS = 2
+        _rx_sessions.K_MAX_SESSION_WORKERS = 2
         async with UcxSender(rx.address, secret=SECRET) as a:
             await one(rx, a, 10)
             async with UcxSender(rx.address, secret=SECRET) as b:

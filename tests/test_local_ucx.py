@@ -206,7 +206,11 @@ async def test_fallback_pair_moves_bytes(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_control_codec_and_addresses() -> None:
-    from pddnet.transport.local._transport import K_CTRL_MAX, UcxSender, _Ctl, _pack, _unpack
+    from pddnet.transport.local import UcxSender
+    from pddnet.transport.local._messages import K_CTRL_MAX
+    from pddnet.transport.local._messages import Ctl as _Ctl
+    from pddnet.transport.local._messages import pack as _pack
+    from pddnet.transport.local._messages import unpack as _unpack
 
     msg = _pack(_Ctl.CANCEL, 0xDEADBEEF, 42, 2, b"x")
     buf = bytearray(K_CTRL_MAX)
@@ -248,7 +252,7 @@ MANY_PIECES = (
 import os, sys, trio, numpy as np
 from pddnet.kv import ByteRanges
 from pddnet.transport.local import UcxReceiver, UcxSender
-from pddnet.transport.local import _transport
+from pddnet.transport.local import _tx_transfers
 
 N = 1000  # > K_INLINE_BURST: the sender's pump yields to trio and resumes
 
@@ -264,11 +268,11 @@ async def main():
             await tx.send(g, [src], sr)
             await rx.wait_transfer(g.transfer_id)
         st = tx.statistics()
-        print("INLINE", tx._worker.inline_sends, "PIECES", st.pieces_sent, st.bytes_sent)
+        print("INLINE", tx._service.worker.inline_sends, "PIECES", st.pieces_sent, st.bytes_sent)
     got = dst.reshape(N, 256)[:, :128].reshape(-1)
     assert np.array_equal(got, src), "data differs"
     assert not dst.reshape(N, 256)[:, 128:].any(), "wrote into a gap"
-    print("OK", _transport.K_INLINE_BURST < N, flush=True)
+    print("OK", _tx_transfers.K_INLINE_BURST < N, flush=True)
 
 """
     + RUN_MAIN

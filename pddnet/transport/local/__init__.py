@@ -13,13 +13,9 @@ checks, with one real transfer between two hosts, whether UCX works there.
 
 from ._fallback import local_available, open_local_receiver, open_local_sender
 from ._probe import LocalPathProbe, probe_local_path
-from ._transport import (
-    UcxReceiver,
-    UcxReceiverStatistics,
-    UcxSender,
-    UcxSenderStatistics,
-    UcxTransfer,
-)
+from ._receiver import UcxReceiver, UcxReceiverStatistics
+from ._sender import UcxSender, UcxSenderStatistics
+from ._tx_transfers import UcxTransfer
 from ._worker import K_DEFAULT_TLS, UcxWorker, detects_dead_peers
 
 __all__ = [

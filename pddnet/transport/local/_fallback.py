@@ -61,7 +61,7 @@ def open_local_receiver(**kw: Any) -> Receiver:
     challenge-response (:class:`pddnet.wire.AuthHandshake`) before any data.
     """
     if local_available():
-        from ._transport import UcxReceiver
+        from ._receiver import UcxReceiver
 
         return UcxReceiver(**kw)
     _warn_once()
@@ -79,7 +79,7 @@ def open_local_sender(address: str, **kw: Any) -> Sender:
     :func:`open_local_receiver`).
     """
     if address.startswith("ucx:"):
-        from ._transport import UcxSender
+        from ._sender import UcxSender
 
         return UcxSender(address, **kw)
     from ..wan import WanSender

@@ -34,7 +34,7 @@ async def _receiver(nbytes: int, timeout: float) -> None:
     import numpy as np
 
     from ...kv import ByteRanges
-    from ._transport import UcxReceiver
+    from ._receiver import UcxReceiver
 
     secret = os.environ[K_SECRET_ENV].encode()
     async with UcxReceiver(secret=secret, cma=False) as rx:
@@ -48,7 +48,7 @@ async def _receiver(nbytes: int, timeout: float) -> None:
 async def _sender(grant: str, timeout: float) -> None:
     from ...kv import ByteRanges
     from .._base import Grant
-    from ._transport import UcxSender
+    from ._sender import UcxSender
 
     tid, total, address = json.loads(grant)
     secret = os.environ[K_SECRET_ENV].encode()
@@ -57,7 +57,7 @@ async def _sender(grant: str, timeout: float) -> None:
         ranges = ByteRanges.build([0], [0], [total], [0])
         await tx.send(Grant(tid, total, (), address), [_pattern(total)], ranges, timeout=timeout)
         dt = time.perf_counter() - t0
-        _say({"seconds": dt, "transports": tx.transports(), "tls": tx._worker.tls})
+        _say({"seconds": dt, "transports": tx.transports(), "tls": tx._service.worker.tls})
 
 
 def _main(argv: list[str]) -> None:
