@@ -2,7 +2,7 @@
 
 It runs the ``etcd`` binary (Debian's ``etcd-server``: ``make system`` installs
 it where root) with its data in a temporary directory and its client and peer
-ports picked free on 127.0.0.1. Its Raft clock runs ten times faster than
+ports picked free on 127.0.0.1 (or another local address). Its Raft clock runs ten times faster than
 etcd's default (10 ms heartbeats), which lets etcd grant 1 s leases: its
 minimum TTL is 1.5 election timeouts, rounded up.
 """
@@ -30,9 +30,9 @@ def find_etcd() -> str | None:
     return shutil.which("etcd") or shutil.which("etcd", path="/usr/bin:/usr/sbin")
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -44,12 +44,15 @@ class EtcdServer:
 
     Args:
         binary: the etcd binary (default: :func:`find_etcd`).
+        host: the local IPv4 address it listens on (clients and its peer
+            port); in a network namespace, build and start it from a thread
+            inside that namespace (as ``pddnet.emu.Host.inside`` runs one).
 
     Raises:
         PeerUnavailable: if there is no etcd binary (the message says how to get it).
     """
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, *, host: str = "127.0.0.1") -> None:
         found = binary or find_etcd()
         if found is None:
             raise PeerUnavailable(f"no etcd binary: {K_ETCD_HINT}")
@@ -57,8 +60,9 @@ class EtcdServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="pddnet-etcd-")
         self.data_dir = Path(self._tmp.name) / "data"
         self.log_path = Path(self._tmp.name) / "etcd.log"
-        self.client_port, self.peer_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.host = host
+        self.client_port, self.peer_port = _free_port(host), _free_port(host)
+        self.url = f"http://{host}:{self.client_port}"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> None:
@@ -68,7 +72,7 @@ class EtcdServer:
             PeerUnavailable: if it exits or is not healthy within ``timeout``
                 seconds (the message ends with its log's tail).
         """
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
             "--name=pddnet-test",
