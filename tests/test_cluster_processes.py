@@ -50,7 +50,7 @@ from cluster_node import TTL
 
 NODE = str(Path(__file__).parent / "cluster_node.py")
 HOSTS = ("p", "rld0", "rld1", "md0", "md1", "md1-again")
-K_LEAVE_S = TTL + 2.0  # the lease's TTL, etcd's 0.5 s expiry check, the watch, CI load
+K_LEAVE_S = TTL + 1.5  # the lease's TTL, etcd's 0.5 s expiry check, the watch, CI load
 
 
 class _Hosts:
@@ -259,13 +259,12 @@ def _scenario(hosts: _Hosts, url: str) -> None:
     decoders.pop("rld0").send_signal(signal.SIGKILL)
     killed = time.monotonic()
     p("release", rid=held["rid"])
-    ended = p("result", rid=held["rid"])
-    took_s = time.monotonic() - killed
-    assert held["main"] in ended["sources"], ended["sources"]  # MD took over
     p("wait", present=[], absent=["rld0"], within=K_LEAVE_S + 5)
     left_s = time.monotonic() - killed
-    print(f"rld0 left P {left_s:.2f} s after its kill; MD took over {took_s:.2f} s after it")
+    print(f"rld0 left P {left_s:.2f} s after its kill")
     assert left_s <= K_LEAVE_S, f"rld0 left P {left_s:.2f} s after its kill"
+    ended = p("result", rid=held["rid"])
+    assert held["main"] in ended["sources"], ended["sources"]  # MD took over
     after = p("run", requests=[req(21, cold()), req(22, cold())])
     assert [r["relay"] for r in after] == ["rld1", "rld1"]
     _check([ended, *after], ref())
