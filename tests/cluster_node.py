@@ -190,10 +190,13 @@ class _Driver:
 
     async def hold(self, request: dict[str, Any], eager: int) -> dict[str, Any]:
         """Submit a P->RLD->MD request whose KV goes to RLD only (MD's is held
-        back until ``release``); return once RLD emitted ``eager`` tokens."""
+        back until ``release``); return once RLD emitted ``eager`` tokens.
+        With ``eager`` 0 RLD gets no KV either: the offers are accepted, no
+        transfer moved a byte."""
         info = await self._submit(request, hold=True)
-        for layer in range(TINY.num_layers):
-            self.p.mark_layer_ready(info["rid"], layer, dest=info["relay"])
+        if eager:
+            for layer in range(TINY.num_layers):
+                self.p.mark_layer_ready(info["rid"], layer, dest=info["relay"])
         stream = self.streams[info["rid"]][1]
         with trio.fail_after(20):
             while sum(t.source == info["relay"] for t in stream.received) < eager:

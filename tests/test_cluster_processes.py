@@ -13,9 +13,10 @@ before left):
 3. the MD restarts under its name as a new process with a new address: it
    receives traffic again and nothing of the old one carries over (P's mirror
    of it is empty, it holds no prefix, the request to it is served whole);
-4. an RLD killed while it decodes a request: that request finishes through
-   its MD (the sink's takeover, docs/reliability.md, fault table), the RLD
-   leaves P within the TTL, new requests go to the other relay;
+4. an RLD killed with two requests, one it decodes and one whose KV it never
+   got: both finish through their MD (the sink's takeover, docs/reliability.md,
+   fault table), the RLD leaves P within the TTL, new requests go to the
+   other relay;
 
 and through all of it no request is lost (each ends with the reference
 tokens, its blocks came back), and at the end no block is held or leaked on
@@ -252,22 +253,30 @@ def _scenario(hosts: _Hosts, url: str) -> None:
     assert {r["main"] for r in again[1:]} == {"md0", "md1"}  # load spreads to it again
     _check(again, ref())
 
-    # 4. rld0 dies while it decodes a request (its MD's KV held back until
-    # then): the request finishes through MD, rld0 leaves P within the TTL,
-    # and new requests go to rld1
-    held = p("hold", request=req(20, cold(), 64, relay="rld0"), eager=3)
+    # 4. rld0 dies with two requests (their MD's KV held back until then):
+    # one it decodes, one whose KV it never got. Both finish through MD
+    # (the sink's takeover), rld0 leaves P within the TTL, and new requests
+    # go to rld1
+    held = [
+        p("hold", request=req(20, cold(), 64, relay="rld0"), eager=3),
+        p("hold", request=req(21, cold(), 64, relay="rld0"), eager=0),
+    ]
     decoders.pop("rld0").send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    p("release", rid=held["rid"])
+    for h in held:
+        p("release", rid=h["rid"])
     p("wait", present=[], absent=["rld0"], within=K_LEAVE_S + 5)
     left_s = time.monotonic() - killed
     print(f"rld0 left P {left_s:.2f} s after its kill")
     assert left_s <= K_LEAVE_S, f"rld0 left P {left_s:.2f} s after its kill"
-    ended = p("result", rid=held["rid"])
-    assert held["main"] in ended["sources"], ended["sources"]  # MD took over
-    after = p("run", requests=[req(21, cold()), req(22, cold())])
+    ended = [p("result", rid=h["rid"]) for h in held]
+    assert ended[0]["sources"].count("rld0") >= 3, ended[0]["sources"]
+    assert "rld0" not in ended[1]["sources"], ended[1]["sources"]
+    for h, e in zip(held, ended, strict=True):
+        assert h["main"] in e["sources"], e["sources"]  # MD took over
+    after = p("run", requests=[req(22, cold()), req(23, cold())])
     assert [r["relay"] for r in after] == ["rld1", "rld1"]
-    _check([ended, *after], ref())
+    _check([*ended, *after], ref())
 
     # nothing held or leaked anywhere; P talks only to the decoders still there
     deadline = time.monotonic() + 15
