@@ -2,8 +2,12 @@
 
 A token is kept for the sink's re-sends before it is sent
 (:class:`~pddnet.api._kept.KeptTokens`), so one whose send failed can still
-be delivered. A sink that cannot be reached stops the request: nobody can
-read its stream any more, and the driver's normal exit frees its blocks.
+be delivered. MD, taking over from RLD, first keeps the tokens of RLD's final
+batch too: RLD may not have shown them all yet (its playout buffer,
+``HandoffParams.playout_s``), or its last frames may be lost, and if RLD dies
+then, MD is the only decoder that can fill the sink's hole. A sink that
+cannot be reached stops the request: nobody can read its stream any more, and
+the driver's normal exit frees its blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping
 
 from .._errors import PddnetError
 from ..control import ControlNode
+from ..handoff import MainDriver
 from ._kept import KeptTokens
 from ._messages import Emitted
 from ._record import RequestRecord
@@ -49,6 +54,12 @@ class SinkEmitter:
         """
         req = self.requests[request_id]
         msg = Emitted(request_id, position, token, self.node.name, final)
+        driver = req.driver
+        if isinstance(driver, MainDriver) and position and position == driver.machine.final_end:
+            kept = self.kept.get(request_id)
+            if kept is not None and kept.first < 0:  # MD's first token after RLD's
+                for i, held in enumerate(driver.machine.received[:position]):
+                    self.kept.record(request_id, i, held, False)
         self.kept.record(request_id, position, token, final)  # first: a re-send can deliver it
         try:
             await self.node.send(req.sink, msg, timeout=self.kept.timeout_s)
