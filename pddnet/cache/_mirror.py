@@ -146,6 +146,19 @@ class MirrorStats:
         return self.p_hit_tokens / self.p_total_tokens if self.p_total_tokens else 0.0
 
 
+class _AsInts:
+    """``keys[i]`` as a Python int, converted when probed (a binary search
+    reads a few of an array's keys; ``tolist()`` would convert them all)."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: npt.NDArray[np.uint64] | Sequence[int]) -> None:
+        self._keys = keys
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._keys[i])
+
+
 class CacheMirror:
     """P's view of one MD's cache.
 
@@ -294,21 +307,23 @@ class CacheMirror:
         ``keys`` as a list (``keys.tolist()``) is faster to probe than the
         array: P routing across several MDs converts once and asks each mirror.
         """
-        lo, hi = 0, len(keys)  # invariant: keys[:lo] present, keys[hi:] absent
-        held, expected = self._keys, self._expected
-
-        def either(key: int) -> bool:
-            return key in held or key in expected
-
-        has = either if expected else held.__contains__
-        if hi == 0 or not has(int(keys[0])):
+        hi = len(keys)
+        if hi == 0:
             return 0
-        if has(int(keys[hi - 1])):
+        # an array's few probed keys as ints, not all of it
+        at: list[int] | _AsInts = keys if isinstance(keys, list) else _AsInts(keys)
+        held, expected = self._keys, self._expected  # (the probes inline: this is the hot path)
+        key = at[0]
+        if key not in held and key not in expected:
+            return 0
+        key = at[hi - 1]
+        if key in held or key in expected:
             return hi
-        lo = 1
+        lo = 1  # invariant: keys[:lo] present, keys[hi:] absent
         while lo < hi:
             mid = (lo + hi) // 2
-            if has(int(keys[mid])):
+            key = at[mid]
+            if key in held or key in expected:
                 lo = mid + 1
             else:
                 hi = mid

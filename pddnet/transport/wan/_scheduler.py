@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..._errors import LocalProtocolError, PddnetError, TransferCancelled, TransferTimeout
@@ -257,7 +258,14 @@ class Scheduler:
         """The chunk ``stream`` should send now, or None (then wait for a change or the timer)."""
         if stream >= self.active_streams and stream not in self.express:
             return None
-        txs = [tx for tx in sorted(self._txs.values(), key=self._key) if self._serves(stream, tx)]
+        hedging = self.max_copies >= 2
+        txs: Iterable[_Tx] = self._txs.values()
+        if len(self._txs) > 1:
+            if not hedging and not any(tx.retry or tx.unsent for tx in txs):
+                return None  # nothing to cut or resend and no hedging: no order needed
+            txs = sorted(txs, key=self._key)
+        if stream in self.express:
+            txs = [tx for tx in txs if self._serves(stream, tx)]
         for tx in txs:
             if tx.retry:
                 ch = tx.retry.popleft()
@@ -268,11 +276,11 @@ class Scheduler:
             # A transfer with nothing left to cut may hedge its slow chunks before
             # lower-ranked transfers get fresh ones: a small urgent transfer must
             # not wait out a loss recovery behind bulk.
-            if tx.priority > 0 and self.policy == "priority":
+            if hedging and tx.priority > 0 and self.policy == "priority":
                 hedged = self._hedge_one(tx, stream, now)
                 if hedged is not None:
                     return hedged
-        return self._hedge(txs, stream, now)
+        return self._hedge(txs, stream, now) if hedging else None
 
     def _cut(self, tx: _Tx) -> Chunk:
         span = tx.unsent[0]
@@ -307,7 +315,13 @@ class Scheduler:
         factor = self.urgent_hedge_factor if urgent else self.hedge_factor
         return max(self.min_hedge_s, factor * lat)
 
-    def _hedge(self, txs: list[_Tx], stream: int, now: float) -> Chunk | None:
+    def _hedge_ages(self, tx: _Tx) -> tuple[float, float]:
+        """:meth:`hedge_after` for ``tx``'s small chunks and for its large ones
+        (the only two values it takes for one transfer)."""
+        urgent = tx.priority > 0
+        return self.hedge_after(K_SMALL_CHUNK, urgent), self.hedge_after(None, urgent)
+
+    def _hedge(self, txs: Iterable[_Tx], stream: int, now: float) -> Chunk | None:
         for tx in txs:
             ch = self._hedge_one(tx, stream, now)
             if ch is not None:
@@ -315,14 +329,16 @@ class Scheduler:
         return None
 
     def _hedge_one(self, tx: _Tx, stream: int, now: float) -> Chunk | None:
-        if self.max_copies < 2:
+        if self.max_copies < 2 or not tx.inflight:
             return None
+        small_after, large_after = self._hedge_ages(tx)
+        small_before, large_before = now - small_after, now - large_after
         best: Chunk | None = None
         for ch in tx.inflight.values():
             if (
                 stream not in ch.streams
                 and 0 < len(ch.streams) < self.max_copies
-                and ch.sent_at <= now - self.hedge_after(ch.length, tx.priority > 0)
+                and ch.sent_at <= (small_before if ch.hi - ch.lo <= K_SMALL_CHUNK else large_before)
                 and (best is None or ch.sent_at < best.sent_at)
             ):
                 best = ch
@@ -398,14 +414,15 @@ class Scheduler:
         ):
             # (an idle stream only exists when nothing is waiting, so every
             # transfer's in-flight chunks are candidates here)
-            times += [
-                ch.sent_at + self.hedge_after(ch.length, tx.priority > 0)
-                for tx in self._txs.values()
-                for ch in tx.inflight.values()
-                if 0 < len(ch.streams) < self.max_copies
-                and stream not in ch.streams
-                and self._serves(stream, tx)
-            ]
+            for tx in self._txs.values():
+                if not tx.inflight or not self._serves(stream, tx):
+                    continue
+                small_after, large_after = self._hedge_ages(tx)
+                times += [
+                    ch.sent_at + (small_after if ch.hi - ch.lo <= K_SMALL_CHUNK else large_after)
+                    for ch in tx.inflight.values()
+                    if 0 < len(ch.streams) < self.max_copies and stream not in ch.streams
+                ]
         return min(times) if times else None
 
     def handle_timer(self, now: float) -> None:
