@@ -333,10 +333,11 @@ class CacheMirror:
         """P's transfer of a prompt's blocks (chain ``keys``) to MD landed:
         count them as held until MD's event about them, or ``expect_s`` after ``now``."""
         until = now + self.expect_s
-        chain = [int(k) for k in keys]
+        chain = keys.tolist() if isinstance(keys, np.ndarray) else list(map(int, keys))
+        held, expected = self._keys, self._expected
         for k in chain:
-            if k not in self._keys:
-                self._expected[k] = until
+            if k not in held:
+                expected[k] = until
         self._expiry.append((until, chain))
 
     def _unexpect_below(self, evicted: set[int]) -> None:
@@ -344,11 +345,12 @@ class CacheMirror:
         # use to a prompt (the prefix breaks there), so the union of what MD
         # holds and what P expects stays prefix-closed, as predict assumes.
         for until, chain in self._expiry:
-            cut = next((i for i, k in enumerate(chain) if k in evicted), None)
-            if cut is not None:
-                for k in chain[cut:]:
-                    if self._expected.get(k) == until:
-                        del self._expected[k]
+            if evicted.isdisjoint(chain):
+                continue  # (most chains: one C-level pass instead of a Python one)
+            cut = next(i for i, k in enumerate(chain) if k in evicted)
+            for k in chain[cut:]:
+                if self._expected.get(k) == until:
+                    del self._expected[k]
 
     def expire(self, now: float) -> None:
         """Forget the expectations older than ``expect_s``."""

@@ -730,7 +730,8 @@ class Simulation:
             hit = mirror.predict(key_list) if len(mirror) or now < self._expect_until[i] else 0
             delta = (nblocks - hit) * self.block_bytes
             sender = self.senders.get((req.p, i))
-            ahead = sender.sched.bytes_ahead(delta) if sender is not None else 0
+            # an idle sender (no transfer running: most of them) has nothing ahead
+            ahead = sender.sched.bytes_ahead(delta) if sender is not None and sender.reqs else 0
             mains.append(MainCandidate(name, delta, ahead, self.md_active[i], capacity))
         held = self.held[req.p]
         relays = tuple(

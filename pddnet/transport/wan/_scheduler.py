@@ -223,11 +223,11 @@ class Scheduler:
         added now would finish: the unacknowledged bytes of every transfer
         ranked ahead of it (the ``policy``'s order; ready or not yet), and
         the chunks of the others already in flight (cut and on a socket)."""
-        new = (-priority, nbytes)
+        fifo = self.policy == "fifo"
         ahead = 0
         for tx in self._txs.values():
             left = tx.total - tx.acked
-            if self.policy == "fifo" or (-tx.priority, left) <= new:
+            if fifo or tx.priority > priority or (tx.priority == priority and left <= nbytes):
                 ahead += left
             else:
                 ahead += sum(ch.hi - ch.lo for ch in tx.inflight.values())
