@@ -64,6 +64,17 @@ K_PEER_FAILURE_TLS = frozenset(
     {"tcp", "self", "rc", "rc_v", "rc_x", "rc_mlx5", "dc", "dc_x", "dc_mlx5"}
     | {"ud", "ud_v", "ud_x", "ud_mlx5", "ib", "cuda_copy", "rocm_copy"}
 )
+# UCX options pddnet sets where neither the environment (UCX_<name>) nor
+# ``config=`` does, as ucxx sets its own on import. Measured cross-host
+# (dc-a-p -> dc-a-rld, UCX_TLS=tcp,self, 16 MiB, paired rounds; docs/local.md,
+# *UCX settings*): with error handling on, UCX sends a tagged message of 8 KiB
+# and up as RTR + active-message fragments of TCP_TX_SEG_SIZE bytes (8K by
+# default); 64K fragments, with a receive segment that holds a whole one and
+# its header (128K), took 16 MiB from 8.9 to 5.3-5.7 ms and both sides' CPU
+# per transfer down by a third. 32K, 128K, 256K and 1M fragments, and 64K
+# with a 64K receive segment, were no better than the default. Both ends use
+# UcxWorker, so they agree; a peer with other values still connects.
+K_UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "128k"}
 K_FALLBACK_S = 0.5  # progress at least this often even without events
 K_SEND_TICK_S = 50e-6
 K_PROGRESS_BATCH = 64
@@ -148,7 +159,9 @@ class UcxWorker:
             ``tcp,sm,self``.
         spin_us: how long to keep progressing after the last event while
             awaited requests are outstanding, before sleeping on epoll.
-        config: extra UCX options (without the ``UCX_`` prefix).
+        config: extra UCX options (without the ``UCX_`` prefix). Where
+            neither they nor the environment set them, the options of
+            :data:`K_UCX_DEFAULTS` apply (larger tcp segments, measured).
         context_of: another worker whose UCX context (and transports) this
             one shares instead of creating its own (``tls`` and ``config``
             are then ignored). A receiver gives each sender session a worker
@@ -170,6 +183,9 @@ class UcxWorker:
         self._ucx = require("ucxx._lib.libucxx")
         self._arr = require("ucxx._lib.arr")
         opts = dict(config or {})
+        for name, value in K_UCX_DEFAULTS.items():
+            if name not in opts and "UCX_" + name not in os.environ:
+                opts[name] = value
         if tls is not None:
             opts["TLS"] = tls
         elif "UCX_TLS" not in os.environ:
@@ -190,6 +206,7 @@ class UcxWorker:
             raise TransportError(f"UCX initialisation failed: {exc}") from exc
         self._fd = self.worker.epoll_file_descriptor
         self.spin_s = spin_us * 1e-6
+        self.linger_s = float(os.environ.get("PDDNET_H4_LINGER_US", "0")) * 1e-6  # H4 TEMP
         self._pending: dict[int, tuple[Any, Any, Callback, bool, bool]] = {}
         self._queues: dict[int, deque[int]] = {}
         self._dirty = False
@@ -538,6 +555,7 @@ class UcxWorker:
         task_status.started()
         worker = self.worker
         last_event = time.perf_counter()
+        last_made = 0.0
         idle_naps = 0
         woke_by_tick = False
         busy = 0
@@ -549,7 +567,7 @@ class UcxWorker:
                 made = True
             self.progress_calls += 1
             if made:
-                last_event = time.perf_counter()
+                last_event = last_made = time.perf_counter()
                 idle_naps = 0
             # Deferred work runs after a progress batch: a rendezvous that the
             # last round's receives matched has started (or finished) by now.
@@ -573,6 +591,11 @@ class UcxWorker:
                     await trio.lowlevel.checkpoint()
                 continue
             if self._spinners and time.perf_counter() - last_event < self.spin_s:
+                await trio.lowlevel.checkpoint()
+                continue
+            if not self._spinners and time.perf_counter() - last_made < self.linger_s:
+                if not made:
+                    os.sched_yield()
                 await trio.lowlevel.checkpoint()
                 continue
             if not worker.arm():
