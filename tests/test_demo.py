@@ -74,7 +74,7 @@ def test_tail_period(stream: list[int], period: int | None) -> None:
 @pytest.mark.parametrize("argv", [("--quick",), ()], ids=["quick", "default"])
 def test_the_demo_reference_streams_do_not_cycle(argv: tuple[str, ...]) -> None:
     # a stream that cycles would match its reference after a shift by one period
-    refs = demo.reference_streams(_records(demo._config(_args(*argv))))
+    refs = demo.reference_streams(_records(demo.run_config(_args(*argv))))
     cycles = {rid: demo.tail_period(s) for rid, s in refs.items() if demo.tail_period(s)}
     assert cycles == {}
     assert min(len(set(s)) for s in refs.values()) >= 20  # not a few tokens over and over

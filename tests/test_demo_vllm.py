@@ -29,7 +29,7 @@ from pddnet.integrations.vllm import build_tiny_llama
 def _config(*argv: str) -> dict[str, object]:
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    return demo._config(parser.parse_args(list(argv)))
+    return demo.run_config(parser.parse_args(list(argv)))
 
 
 def test_engine_option_and_its_defaults() -> None:

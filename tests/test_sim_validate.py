@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pddnet.demo import _config as demo_config
-from pddnet.demo._workload import make_sessions
+from pddnet.demo import make_sessions
+from pddnet.demo import run_config as demo_config
 from pddnet.recompute import TINY
 from pddnet.sim._validate import (
     compare_with_demo,

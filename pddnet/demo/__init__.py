@@ -47,13 +47,17 @@ from ..handoff import HandoffParams
 from ..integrations.vllm import build_tiny_llama
 from ..recompute import TINY, ReferenceModel, greedy
 from ._local_path import choose_local_path, local_path_summary
+from ._workload import DemoRequest, make_sessions
 from ._zygote import RoleProcess, Zygote
 
 __all__ = [
+    "DemoRequest",
     "add_arguments",
     "main",
+    "make_sessions",
     "reference_streams",
     "report",
+    "run_config",
     "summarize",
     "tail_period",
     "timeline_figure",
@@ -90,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens per answer (default 32; 128 with --engine vllm, which decodes at its own"
-        " speed, and 512 for each session's first turn there: see _config)",
+        " speed, and 512 for each session's first turn there: see run_config)",
     )
     parser.add_argument("--rtt", default="30ms")
     parser.add_argument(
@@ -157,7 +161,10 @@ K_VLLM_FIRST_TURN_TOKENS = 512
 K_VLLM_THREADS = "1"
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's configuration for its parsed arguments (:func:`add_arguments`):
+    link, step time, workload and seed, limits; what the roles and
+    ``pddnet sim --validate-demo`` are given."""
     return {
         "blocks": 8192,
         "step_time_s": args.step_ms / 1000,
@@ -573,7 +580,7 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    cfg = _config(args)
+    cfg = run_config(args)
     print(
         f"pddnet demo: {cfg['sessions']} sessions x {cfg['turns']} turns per phase, "
         f"{cfg['max_tokens']} tokens each"

@@ -33,15 +33,14 @@ from typing import Any
 import numpy as np
 
 from .._errors import PddnetError
-from ..demo import _config as demo_config
 from ..demo import add_arguments as demo_arguments
-from ..demo._workload import make_sessions
+from ..demo import make_sessions
+from ..demo import run_config as demo_config
 from ..emu import parse_fraction
 from ..handoff import HandoffParams
 from ..recompute import TINY, ReferenceModel
 from ..route import RoutePolicy
-from ..transport.wan import Scheduler
-from ..transport.wan._sender import K_DEFAULT_BUFFER, K_DEFAULT_CHUNK
+from ..transport.wan import K_DEFAULT_BUFFER, K_DEFAULT_CHUNK, Scheduler
 from ._config import SimConfig, load_config
 from ._models import EngineModel
 from ._sim import RunResult, Simulation
@@ -157,7 +156,7 @@ def demo_sim_config(demo: dict[str, Any], measured: dict[str, float]) -> SimConf
     """The simulator's configuration for the demo's ``_config`` and a measurement.
 
     Args:
-        demo: the demo's configuration (``pddnet.demo._config`` of its arguments).
+        demo: the demo's configuration (``pddnet.demo.run_config`` of its arguments).
         measured: :func:`measure_reference_engine`'s result.
     """
     m, step = TINY, demo["step_time_s"]

@@ -4,7 +4,9 @@
 keeps N persistent TCP streams to one receiver and schedules every transfer
 to it over them. The scheduling, acceptance and pacing logic are sans-IO
 (``Scheduler``, ``GrantTable``, ``Pacer``). Optional TLS (``TlsConfig``) and
-the receiver's resource bounds (``WanLimits``). See docs/wan.md for the design.
+the receiver's resource bounds (``WanLimits``). ``K_DEFAULT_CHUNK`` and
+``K_DEFAULT_BUFFER`` are ``WanSender``'s default chunk size and socket buffer
+size. See docs/wan.md for the design.
 """
 
 from ._acceptor import GrantTable
@@ -24,6 +26,8 @@ from ._pacer import (
 from ._receiver import ReceiverStatistics, WanReceiver
 from ._scheduler import Chunk, Scheduler, TransferCompleted, TransferFailed, TransferProgress
 from ._sender import (
+    K_DEFAULT_BUFFER,
+    K_DEFAULT_CHUNK,
     SenderStatistics,
     StreamStatistics,
     WanSender,
@@ -38,6 +42,8 @@ __all__ = [
     "Chunk",
     "FixedPacer",
     "GrantTable",
+    "K_DEFAULT_BUFFER",
+    "K_DEFAULT_CHUNK",
     "LinkCode",
     "LinkFrame",
     "LinkKind",
