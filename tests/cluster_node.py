@@ -1,10 +1,11 @@
 """The instances of tests/test_cluster_processes.py, one OS process each.
 
-``python tests/cluster_node.py relay|main NAME URL HOST``: a decoder. It binds
-on ``HOST``, connects to P (found in the etcd directory at ``URL``) and to every
-decoder of the other role already registered, registers under a lease of
-``TTL`` seconds, then follows the directory: a decoder of the other role that
-joins, or comes back under its name with new addresses, is connected. It
+``python tests/cluster_node.py relay|main NAME URL HOST [LEASE_S]``: a
+decoder. It binds on ``HOST``, connects to P (found in the etcd directory at
+``URL``) and to every decoder of the other role already registered, registers
+under a lease of ``LEASE_S`` seconds (default ``TTL``), then follows the
+directory: a decoder of the other role that joins, or comes back under its
+name with new addresses, is connected. It
 answers :class:`~pddnet.bench._faults_peer.FaultProbe` with its block
 accounting.
 
@@ -53,7 +54,7 @@ def _model(blocks: int = NB) -> ReferenceModel:
     return ReferenceModel.create(TINY, num_blocks=blocks)
 
 
-async def decoder(role: str, name: str, url: str, host: str) -> None:
+async def decoder(role: str, name: str, url: str, host: str, lease_s: int = TTL) -> None:
     m = _model()
     kw: dict[str, Any] = {"secret": KEY, "control_bind": f"tcp://{host}:0", "data_host": host}
     ep: RelayEndpoint | MainEndpoint
@@ -77,7 +78,7 @@ async def decoder(role: str, name: str, url: str, host: str) -> None:
         }
         return FaultProbeReply(bytes(msgpack.packb(doc)))
 
-    async with EtcdDirectory(url, cluster=CLUSTER, ttl=TTL) as d, ep:
+    async with EtcdDirectory(url, cluster=CLUSTER, ttl=lease_s) as d, ep:
         ep.node.route(FaultProbe, on_probe)
         p = await d.wait_for("prefill", "p")
         await ep.connect_peer(p.info)
@@ -227,6 +228,10 @@ class _Driver:
             "probes": probes,
         }
 
+    async def controls(self) -> dict[str, str]:
+        """Where P's control connection to each decoder goes."""
+        return {n: pump.address for n, pump in self.p.node._dealers.items()}
+
     async def predict(self, main: str, prompt: list[int]) -> dict[str, Any]:
         """The blocks of ``prompt`` P's mirror of ``main``'s cache holds."""
         from pddnet.cache import block_hashes
@@ -273,4 +278,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "prefill":
         trio.run(prefill, sys.argv[2], sys.argv[3])
     else:
-        trio.run(decoder, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])
+        lease_s = int(sys.argv[5]) if len(sys.argv) > 5 else TTL
+        trio.run(decoder, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], lease_s)

@@ -13,6 +13,9 @@ before left):
 3. the MD restarts under its name as a new process with a new address: it
    receives traffic again and nothing of the old one carries over (P's mirror
    of it is empty, it holds no prefix, the request to it is served whole);
+   the other MD (a 10 s lease) is killed and restarted at once, so P sees
+   its new address as an update, not a leave: P's control connection moves
+   to the new process, which serves the next request;
 4. an RLD killed with two requests, one it decodes and one whose KV it never
    got: both finish through their MD (the sink's takeover, docs/reliability.md,
    fault table), the RLD leaves P within the TTL, new requests go to the
@@ -50,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cluster_node import TTL
 
 NODE = str(Path(__file__).parent / "cluster_node.py")
-HOSTS = ("p", "rld0", "rld1", "md0", "md1", "md1-again")
+HOSTS = ("p", "rld0", "rld1", "md0", "md1", "md1-again", "md0-again")
+K_LONG_LEASE_S = 10  # md0's: it restarts well before its lease runs out
 K_LEAVE_S = TTL + 1.5  # the lease's TTL, etcd's 0.5 s expiry check, the watch, CI load
 
 
@@ -202,7 +206,8 @@ def _scenario(hosts: _Hosts, url: str) -> None:
     decoders = {}
     for name in ("rld0", "rld1", "md0", "md1"):
         role = "relay" if name.startswith("rld") else "main"
-        decoders[name] = hosts.spawn(name, role, name, url, hosts.addr[name])
+        lease = str(K_LONG_LEASE_S if name == "md0" else TTL)
+        decoders[name] = hosts.spawn(name, role, name, url, hosts.addr[name], lease)
     p("wait", present=list(decoders), absent=[], within=60)
 
     # 1. the first turns spread over both relays; each later turn goes P->MD
@@ -251,6 +256,22 @@ def _scenario(hosts: _Hosts, url: str) -> None:
     assert again[0]["hit"] == 0  # the new md1 received the whole prompt
     again += p("run", requests=[req(12, cold()), req(13, cold())])
     assert {r["main"] for r in again[1:]} == {"md0", "md1"}  # load spreads to it again
+    _check(again, ref())
+
+    # md0 restarts at once on a new address, long before its old lease runs
+    # out: P sees an update of md0, not a leave, and must still take it for
+    # the new process it is (the old one's address is dead)
+    old_md0 = p("controls")["md0"]
+    decoders.pop("md0").send_signal(signal.SIGKILL)
+    decoders["md0"] = hosts.spawn("md0-again", "main", "md0", url, hosts.addr["md0-again"])
+    deadline = time.monotonic() + 60
+    while p("controls").get("md0", old_md0) == old_md0:
+        assert time.monotonic() < deadline, "P never took the new md0"
+        time.sleep(0.02)
+    p("wait", present=["md0"], absent=[], within=60)
+    prompts[on_md1] += rng.integers(0, TINY.vocab_size, 20).tolist()
+    again = p("run", requests=[req(on_md1, prompts[on_md1], main="md0")])
+    assert again[0]["hit"] == 0
     _check(again, ref())
 
     # 4. rld0 dies with two requests (their MD's KV held back until then):
