@@ -365,11 +365,12 @@ class Scheduler:
         if ch in tx.retry:
             tx.retry.remove(ch)
         lat = max(now - ch.sent_at, 0.0)
-        small = ch.length <= K_SMALL_CHUNK
+        length = ch.hi - ch.lo
+        small = length <= K_SMALL_CHUNK
         old = self._latency[small]
         self._latency[small] = lat if old is None else 0.8 * old + 0.2 * lat
-        tx.acked += ch.length
-        self.bytes_acked += ch.length
+        tx.acked += length
+        self.bytes_acked += length
         self._events.append(TransferProgress(transfer_id, tx.acked, tx.total))
         if tx.acked == tx.total:
             del self._txs[transfer_id]
