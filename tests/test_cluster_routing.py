@@ -11,8 +11,10 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
+from pddnet import LocalProtocolError, PddnetError
 from pddnet.api import MainEndpoint, PrefillEndpoint, ReferenceEngine, RelayEndpoint
 from pddnet.demo import reference_streams
 from pddnet.recompute import TINY, ReferenceModel, greedy
@@ -359,3 +361,43 @@ async def test_an_md_back_under_its_name_with_new_addresses_is_a_new_incarnation
                 assert (new.statistics().offers, old.statistics().offers) == (1, 2)
                 assert p.statistics().held_blocks == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_decoder_that_could_not_be_connected_stays_unknown_and_is_retried() -> None:
+    """An MD that joins but fails P's cache snapshot (here: it refuses it)
+    is removed again rather than left half connected, so its next event (a
+    load update) connects it. (It used to stay known, without its snapshot,
+    and no later event tried again.)"""
+    from pddnet import RemoteCallError
+    from pddnet.cache import DrcSnapshotRequest
+    from pddnet.directory import Load, Member, MemberJoined, MemberUpdated
+
+    pm, m = _model(), _model()
+    async with (
+        PrefillEndpoint("p", pm.pool, secret=KEY, router=Router(POLICY, SLOW)) as p,
+        MainEndpoint("md0", m.pool, ReferenceEngine(m), secret=KEY) as md,
+    ):
+        await md.connect_peer(p.info())
+        real = md.publisher.on_snapshot_request
+
+        def refuse(peer: str, msg: DrcSnapshotRequest) -> None:
+            raise PddnetError("not ready")
+
+        md.node.route(DrcSnapshotRequest, refuse)
+        with trio.fail_after(30):
+            with pytest.raises(RemoteCallError, match="not ready"):
+                await p.apply_member(MemberJoined(Member(md.info(), Load(capacity=8), 1)))
+            assert "md0" not in p.mirrors and p.node.peers() == set()
+            with pytest.raises(LocalProtocolError):
+                p._candidates(np.arange(20), 2, None)  # no MD to route to
+            md.node.route(DrcSnapshotRequest, real)
+            await p.apply_member(MemberUpdated(Member(md.info(), Load(active=1, capacity=8), 2)))
+            assert "md0" in p.mirrors and p.node.peers() == {"md0"}
+            seq = pm.new_sequence()
+            prompt = list(range(40))
+            pm.reserve(seq, len(prompt))
+            first = greedy(pm.extend(seq, prompt))
+            stream = p.sink.open(1, deadline_s=30, max_tokens=4)
+            sub = await p.submit(1, prompt, seq.block_table.tolist(), first, 4, sink="p")
+            assert sub.main == "md0" and len(await stream.result()) == 4
+            assert (await p.next_event()).error is None

@@ -313,11 +313,11 @@ class PrefillEndpoint:
         transfers to it are cancelled (:class:`BlocksReleased` with the
         error, the RLD slot given back) and their other decoders fail them
         on their own timers. Unknown names are ignored."""
+        self.node.disconnect(name)  # a connection connect_peer made before it failed, too
         role = self._roles.pop(name, None)
         if role is None:
             return
         self._infos.pop(name, None)
-        self.node.disconnect(name)
         scope = self._sender_scopes.pop(name, None)
         if scope is not None:
             scope.cancel()
@@ -346,8 +346,11 @@ class PrefillEndpoint:
 
         Raises:
             LayoutMismatch: a joining decoder's layout or model differs.
-            PddnetError: it could not be connected (it stays unknown; a later
-                event may try again).
+            PddnetError: it could not be connected (it stays unknown: what
+                was connected is removed, and a later event of it, a load
+                update say, tries again).
+
+        Cancellation: a decoder being connected is removed again.
         """
         from ..directory import MemberLeft  # not at the top: it imports pddnet.api
 
@@ -361,7 +364,11 @@ class PrefillEndpoint:
         if known != member.info:
             if known is not None:
                 self.remove_peer(member.name)
-            await self.connect_peer(member.info)
+            try:
+                await self.connect_peer(member.info)
+            except BaseException:
+                self.remove_peer(member.name)  # half connected: unknown, a later event retries
+                raise
         if member.role == "main":
             self.set_main_load(member.name, member.load.active, member.load.capacity)
 
