@@ -721,18 +721,21 @@ class Simulation:
         req.nblocks = nblocks = -(-t.prompt // self.block)
         capacity = self.cfg.router.md_capacity
         mains = []
-        for i, name in enumerate(self.main_names):
-            mirror = self.mirrors[i]
-            if self._expect_until[i] > -math.inf:  # else it never expected a block
+        # (the loop's lookups bound once: it runs for every MD of every request)
+        until, senders, block_bytes, p = self._expect_until, self.senders, self.block_bytes, req.p
+        for i, (name, mirror, active) in enumerate(
+            zip(self.main_names, self.mirrors, self.md_active, strict=True)
+        ):
+            if until[i] > -math.inf:  # else it never expected a block
                 mirror.expire(now)
             # a mirror that holds nothing and expects nothing predicts 0:
             # its predict is skipped
-            hit = mirror.predict(key_list) if len(mirror) or now < self._expect_until[i] else 0
-            delta = (nblocks - hit) * self.block_bytes
-            sender = self.senders.get((req.p, i))
+            hit = mirror.predict(key_list) if len(mirror) or now < until[i] else 0
+            delta = (nblocks - hit) * block_bytes
+            sender = senders.get((p, i))
             # an idle sender (no transfer running: most of them) has nothing ahead
             ahead = sender.sched.bytes_ahead(delta) if sender is not None and sender.reqs else 0
-            mains.append(MainCandidate(name, delta, ahead, self.md_active[i], capacity))
+            mains.append(MainCandidate(name, delta, ahead, active, capacity))
         held = self.held[req.p]
         relays = tuple(
             RelayCandidate(name, self.relay_slots[i] - held[i])
