@@ -282,3 +282,23 @@ def test_where_time_went(
         assert why is not None and why.startswith(starts)
         if starts.startswith(("sender", "receiver")):
             assert f"sender {wait:.0%}, receiver 1%" in why
+
+
+@pytest.fixture
+def pdd_rx() -> Iterator[int]:
+    (port,) = wan._free_ports(1)
+    with wan._server(subprocess.Popen, wan._peer_argv("pdd-rx", port)):
+        yield port
+
+
+def test_notsent_lowat_option_reaches_the_bulk_sockets(pdd_rx: int) -> None:
+    # bench wan --notsent-lowat is how the mark's CPU/latency trade is measured
+    # (docs/wan.md, "CPU per GB"): it must reach every bulk socket. 2 MiB is above
+    # the loopback fast path's own 1 MiB, so the value read back is the option's.
+    assert _args("--notsent-lowat", "2097152").notsent_lowat == 2 << 20
+    assert _args().notsent_lowat is None
+    cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    res = peer.pdd_send("127.0.0.1", pdd_rx, 8 << 20, 2, cc, notsent_lowat=2 << 20)
+    assert res["runs"][0]["notsent_lowat"] == [2 << 20]
+    res = peer.pdd_send("127.0.0.1", pdd_rx, 8 << 20, 2, cc)
+    assert res["runs"][0]["notsent_lowat"] != [2 << 20]

@@ -321,17 +321,21 @@ def pdd_send(
     pacer: str = "adaptive",
     pacer_options: dict[str, Any] | None = None,
     urgent_pacing: float | None = None,
+    notsent_lowat: int | None = None,
     tls_dir: str | None = None,
 ) -> dict[str, Any]:
     """Send ``nbytes`` with pddnet (``repeat`` times); optionally ``small`` high-priority
     256 KiB transfers during the bulk one; over mutual TLS with the certificates in
-    ``tls_dir`` if given. Returns the measurements."""
+    ``tls_dir`` if given; ``notsent_lowat`` None: the sender's default. Returns the
+    measurements."""
     import trio
 
     from ..kv import ByteRanges
     from ..transport import Grant
     from ..transport.wan import WanSender
+    from ..transport.wan._sender import K_DEFAULT_NOTSENT_LOWAT as K_NOTSENT_LOWAT
     from ..transport.wan._sender import K_DEFAULT_URGENT_PACING as K_URGENT_PACING
+    from ..transport.wan._sockopts import K_TCP_NOTSENT_LOWAT
     from ..wire import ChecksumAlgo
 
     gc = _GrantClient(host, port)
@@ -352,6 +356,7 @@ def pdd_send(
             pacer=pacer,
             pacer_options=pacer_options,
             urgent_pacing=K_URGENT_PACING if urgent_pacing is None else (urgent_pacing or None),
+            notsent_lowat=K_NOTSENT_LOWAT if notsent_lowat is None else notsent_lowat,
             tls=tls_configs(tls_dir)[1] if tls_dir else None,
         ) as tx:
             with trio.fail_after(10):
@@ -400,6 +405,14 @@ def pdd_send(
                         "tcp_time": tcp,
                         "congestion": st.streams[0].congestion,
                         "chunk_size": st.chunk_size,
+                        # as the bulk sockets have it now (diagnostics, as tcp_time)
+                        "notsent_lowat": sorted(
+                            {
+                                s.sock.getsockopt(socket.IPPROTO_TCP, K_TCP_NOTSENT_LOWAT)
+                                for s in tx._streams[: tx._nbulk]
+                                if s.sock is not None
+                            }
+                        ),
                         "pacing": {
                             "rate_per_stream": st.rate_per_stream,
                             "active_streams": st.active_streams,

@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the sender's, 0.9; 0: off)",
     )
     parser.add_argument("--no-fifo", action="store_true", help="priority scenario: skip FIFO")
+    parser.add_argument(
+        "--notsent-lowat",
+        type=int,
+        default=None,
+        help="pddnet's TCP_NOTSENT_LOWAT per stream, bytes (default: the sender's, 256 KiB)",
+    )
     parser.add_argument("--pacer", default="adaptive", help="pddnet pacer (adaptive, fixed)")
     parser.add_argument(
         "--pacer-opt",
@@ -514,6 +520,7 @@ def _pdd_run(
         chunk_size=args.chunk,
         pacer=args.pacer,
         pacer_options=_popts(args),
+        notsent_lowat=args.notsent_lowat,
         tls_dir=args.tls_dir if tls else None,
         timeout=args.seconds * 20 + 60,
     )
@@ -702,6 +709,7 @@ def emulated(
                         pacer=args.pacer,
                         pacer_options=_popts(args),
                         urgent_pacing=args.urgent_pacing,
+                        notsent_lowat=args.notsent_lowat,
                         small_delay=small_delay,
                         # pddnet again on the same, now warm, connections: a
                         # long-lived sender's bulk streams are past BBR's startup
@@ -849,6 +857,8 @@ def main(args: argparse.Namespace) -> int:
     ]
     print_table(shown, title=f"WAN goodput, N={args.streams}, cc={args.cc}")
     summary: dict[str, Any] = {"streams": args.streams, "congestion": args.cc}
+    if args.notsent_lowat is not None:
+        summary["notsent_lowat"] = args.notsent_lowat
     if args.missing:
         summary["missing_peers"] = dict(args.missing)
     lb = {r["sender"].split()[0]: r["goodput_gbps"] for r in rows if r["link"] == "loopback"}
