@@ -208,7 +208,7 @@ class UcxSender(Sender):
             return
         with trio.move_on_after(K_SEND_DRAIN_S):
             while w.in_flight(handle):
-                w._wake()  # UcxWorker has no public wake-up yet: progress now
+                w.wake()  # progress now
                 await trio.sleep(0.002)
 
     def start(

@@ -70,12 +70,6 @@ class Inbox:
         self.closed = False
 
 
-def _sends_queued(w: UcxWorker) -> bool:
-    # Control sends are the spinning requests (``spin=True``). UcxWorker has
-    # no public query for them yet: this reads its request table.
-    return any(e[3] for e in w._pending.values())
-
-
 class UcxService:
     """A worker plus the nursery that progresses it and runs timers; this
     end's control inboxes and sends.
@@ -138,7 +132,7 @@ class UcxService:
         if workers is None:
             workers = self._own_worker
         with trio.move_on_after(K_FLUSH_CTRL_S):
-            while any(_sends_queued(w) for w in workers() if not w.halted):
+            while any(w.sends_queued() for w in workers() if not w.halted):
                 await trio.sleep(0.001)
         closing = workers()
         self.nursery.cancel_scope.cancel()

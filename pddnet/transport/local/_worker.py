@@ -206,7 +206,6 @@ class UcxWorker:
             raise TransportError(f"UCX initialisation failed: {exc}") from exc
         self._fd = self.worker.epoll_file_descriptor
         self.spin_s = spin_us * 1e-6
-        self.linger_s = float(os.environ.get("PDDNET_H4_LINGER_US", "0")) * 1e-6  # H4 TEMP
         self._pending: dict[int, tuple[Any, Any, Callback, bool, bool]] = {}
         self._queues: dict[int, deque[int]] = {}
         self._dirty = False
@@ -337,7 +336,7 @@ class UcxWorker:
         registered (nothing is freed under UCX); :meth:`close` drops them.
         """
         self.halted = True
-        self._wake()
+        self.wake()
 
     def oldest_unexpected(self) -> tuple[int, int] | None:
         """The tag and length of the oldest message no posted receive matched, or None.
@@ -407,6 +406,10 @@ class UcxWorker:
     def in_flight(self, handle: int) -> bool:
         """Whether the request ``handle`` is still registered (not completed, not forgotten)."""
         return handle in self._pending
+
+    def sends_queued(self) -> bool:
+        """Whether any control send (a spinning request, ``spin=True``) is still in flight."""
+        return any(e[3] for e in self._pending.values())
 
     def forget(self, handle: int) -> None:
         """Drop a request: ucxx cancels it when the last reference goes."""
@@ -487,7 +490,7 @@ class UcxWorker:
             # start: sends in flight (UCX signals no send completion) or answers
             # not yet sent. Deferred reposts wait for the next event or poll.
             if self._sends or self._after:
-                self._wake()
+                self.wake()
 
     def _poll(self, worker: Any, done: Callable[[], bool], end: float) -> bool:
         while not self.halted:
@@ -521,7 +524,7 @@ class UcxWorker:
         self._after.append(fn)
         self._dirty = True
         if not self.polling:  # poll() runs it in this round itself
-            self._wake()
+            self.wake()
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after the next batch of progress: work off the latency
@@ -530,9 +533,10 @@ class UcxWorker:
         self._deferred.append(fn)
         self._dirty = True
         if not self.polling:
-            self._wake()
+            self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Make the progress task run a round now instead of sleeping on epoll."""
         self._dirty = True
         if self._sleep is not None:
             self._sleep.cancel()
@@ -555,7 +559,6 @@ class UcxWorker:
         task_status.started()
         worker = self.worker
         last_event = time.perf_counter()
-        last_made = 0.0
         idle_naps = 0
         woke_by_tick = False
         busy = 0
@@ -567,7 +570,7 @@ class UcxWorker:
                 made = True
             self.progress_calls += 1
             if made:
-                last_event = last_made = time.perf_counter()
+                last_event = time.perf_counter()
                 idle_naps = 0
             # Deferred work runs after a progress batch: a rendezvous that the
             # last round's receives matched has started (or finished) by now.
@@ -591,11 +594,6 @@ class UcxWorker:
                     await trio.lowlevel.checkpoint()
                 continue
             if self._spinners and time.perf_counter() - last_event < self.spin_s:
-                await trio.lowlevel.checkpoint()
-                continue
-            if not self._spinners and time.perf_counter() - last_made < self.linger_s:
-                if not made:
-                    os.sched_yield()
                 await trio.lowlevel.checkpoint()
                 continue
             if not worker.arm():
