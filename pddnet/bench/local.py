@@ -26,6 +26,11 @@ loopback; ``xhost``: two hosts, below):
   ahead, one transfer at a time, authenticated with a shared secret);
 * ``pddnet_poll``: the same in the low-latency mode (``busy_poll_us`` =
   ``--poll-us``; ``PDDNET_BENCH_POLL_MAX`` overrides its 64 KiB size limit);
+* ``pddnet_spaced``: the default mode with :data:`K_SPACED_GAP_US` of idle
+  after each transfer (``xhost`` only): both ends have stopped lingering and
+  sleep on epoll when the next one comes, so its ``one_way_us`` is an
+  isolated transfer's and its ``cpu_us`` / ``server_cpu_us`` include the
+  linger's polling after each transfer (``pddnet`` rows are back to back);
 * ``pddnet_nocma``: the receiver without ``cma`` (``UcxReceiver(cma=False)``,
   RLD's default: a killed sender cannot abort it), ``sm`` only: the receiver
   as deployed, behind the summary's headline ratios;
@@ -115,6 +120,9 @@ K_QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
 K_TLS = {"sm": "tcp,sm,self", "tcp": "tcp,self", "xhost": "tcp,self"}
 K_PEER_VENV = "/tmp/pdd-bench-venv"
 K_POLL_US = 300.0
+# pddnet_spaced: idle between transfers, well past the worker's linger
+# (transport.local K_LINGER_US): each transfer finds both ends asleep
+K_SPACED_GAP_US = 2000.0
 K_PAIRED = ("pddnet_nocma", "pddnet", "raw_ucxx", "nixl")  # rerun in paired 16 MiB rounds
 # summary key: (pddnet's row, the peer's row); the ratio is the peer's time over pddnet's
 K_PAIRED_RATIOS = {
@@ -236,6 +244,7 @@ OPTS = {"secret": os.environ["PDDNET_BENCH_SECRET"].encode(),  # authenticated, 
         "busy_poll_us": float(os.environ.get("PDDNET_BENCH_POLL_US", "0")),
         "busy_poll_max_bytes": int(os.environ.get("PDDNET_BENCH_POLL_MAX", str(64 << 10)))}
 CMA = os.environ.get("PDDNET_BENCH_CMA", "1") == "1"  # 0: the receiver as RLD makes it
+GAP = float(os.environ.get("PDDNET_BENCH_GAP_US", "0")) * 1e-6  # idle between transfers
 async def server():
     async with UcxReceiver(**OPTS, cma=CMA) as rx:
         out({"address": rx.address})
@@ -269,6 +278,8 @@ async def client():
                 if i >= 3:
                     lat.append(time.perf_counter() - t0)
                     t0s.append(t0)
+                if GAP:
+                    await trio.sleep(GAP)
             report(size, lat, t0s, (time.process_time() - c0) / len(lat))
 try:
     trio.run(server if role == "server" else client)
@@ -747,10 +758,12 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         _install_peers(args.peer_venv, errors)
     secret = {"PDDNET_BENCH_SECRET": "bench-local-secret-0123456789"}
     poll = {**secret, "PDDNET_BENCH_POLL_US": str(args.poll_us)}
+    spaced = {**secret, "PDDNET_BENCH_GAP_US": str(K_SPACED_GAP_US)}
     # name: (child code, interpreter, modes, extra environment, receiver reports one-way)
     impls: dict[str, tuple[str, str, list[str], dict[str, str], bool]] = {
         "pddnet": (_PDDNET, sys.executable, ["sm", "tcp", "xhost"], secret, True),
         "pddnet_poll": (_PDDNET, sys.executable, ["sm", "tcp", "xhost"], poll, True),
+        "pddnet_spaced": (_PDDNET, sys.executable, ["xhost"], spaced, True),
         "pddnet_nocma": (
             _PDDNET,
             sys.executable,
@@ -865,7 +878,13 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         ),
         "crosshost_one_way_4kib_us": {
             name: pick(name, "xhost", 4096, "one_way_us")
-            for name in ("pddnet", "pddnet_poll", "raw_ucxx", "tcp", "nixl_notif")
+            for name in ("pddnet", "pddnet_poll", "pddnet_spaced", "raw_ucxx", "tcp", "nixl_notif")
+        },
+        # CPU per 4 KiB transfer [sender, receiver], cross-host: back to back
+        # (both ends linger awake) and spaced (each transfer after an idle gap)
+        "crosshost_cpu_us_per_4kib_transfer": {
+            name: [pick(name, "xhost", 4096, "cpu_us"), pick(name, "xhost", 4096, "server_cpu_us")]
+            for name in ("pddnet", "pddnet_spaced")
         },
         # A request of L layers sent layer by layer (one transfer, each layer
         # marked as its own event) over the same request sent whole: median of

@@ -268,11 +268,7 @@ class UcxReceiver(Receiver):
     async def wait_transfer(self, transfer_id: int) -> None:
         """Wait until every granted byte landed. Cancelling the wait leaves the grant."""
         t = self._grants.get(transfer_id)
-        svc = self._service
-        if svc.should_poll(t.total):
-            await svc.poll_wait(t.done, self._sessions.poll_worker(t))
-        else:
-            await t.done.wait()
+        await self._service.wait_small(t.done, t.total, self._sessions.poll_worker(t))
         if t.error is not None:
             raise t.error
 

@@ -47,7 +47,8 @@ class UcxSenderStatistics:
     transfers_done: int
     epoll_waits: int
     inline_transfers: int = 0  # small transfers sent inside their START (DATA)
-    poll_rounds: int = 0  # low-latency mode: busy-poll rounds
+    poll_rounds: int = 0  # busy-poll rounds (low-latency mode, or a lingering wait)
+    linger_rounds: int = 0  # idle progress rounds while lingering (back-to-back transfers)
 
 
 def _ep_alive(ep: Any) -> bool:
@@ -318,4 +319,5 @@ class UcxSender(Sender):
             w.epoll_waits,
             q.inline,
             w.poll_rounds,
+            w.linger_rounds,
         )

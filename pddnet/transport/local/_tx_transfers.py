@@ -149,10 +149,7 @@ class SendQueue:
 
     async def wait(self, done: trio.Event, total: int) -> None:
         """Wait for a transfer of ``total`` bytes (low-latency mode: busy-poll first)."""
-        if self._svc.should_poll(total):
-            await self._svc.poll_wait(done)
-        else:
-            await done.wait()
+        await self._svc.wait_small(done, total)
 
     def _send(self, msg: bytes) -> None:
         s = self._s

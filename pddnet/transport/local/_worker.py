@@ -76,6 +76,19 @@ K_PEER_FAILURE_TLS = frozenset(
 # UcxWorker, so they agree; a peer with other values still connects.
 K_UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "128k"}
 K_FALLBACK_S = 0.5  # progress at least this often even without events
+# Linger: while small transfers come back to back (K_BURST_GAP_US), after an
+# event progress on (yielding to trio, sched_yield when idle) for this long
+# before sleeping on epoll, when nothing but inboxes is posted (transfers in
+# flight sleep as before: spinning then slowed 16 MiB here). Waking a sleeping
+# process costs ~30 µs in the waker's send and more in the sleeper (measured
+# cross-host, docs/local.md *4 KiB one way*), twice per transfer; the next
+# transfer of a burst then finds both ends awake. Costs up to this much CPU
+# per transfer of a burst, and once after it.
+K_LINGER_US = 200.0
+# Back to back: a small transfer that finished within this long of the
+# previous one (on the same worker). Isolated ones (further apart) do not
+# linger: it would only cost CPU (each would find the peer asleep anyway).
+K_BURST_GAP_US = 500.0
 K_SEND_TICK_S = 50e-6
 K_PROGRESS_BATCH = 64
 K_SEND_TICK_MAX_S = 2e-3
@@ -159,6 +172,10 @@ class UcxWorker:
             ``tcp,sm,self``.
         spin_us: how long to keep progressing after the last event while
             awaited requests are outstanding, before sleeping on epoll.
+        linger_us: how long to keep progressing (yielding to trio between
+            rounds) after the last event when nothing but inboxes is posted,
+            before sleeping on epoll: the next message of a burst then finds
+            this end awake (see :data:`K_LINGER_US`; 0: off).
         config: extra UCX options (without the ``UCX_`` prefix). Where
             neither they nor the environment set them, the options of
             :data:`K_UCX_DEFAULTS` apply (larger tcp segments, measured).
@@ -177,6 +194,7 @@ class UcxWorker:
         *,
         tls: str | None = None,
         spin_us: float = 0.0,
+        linger_us: float = K_LINGER_US,
         config: dict[str, str] | None = None,
         context_of: UcxWorker | None = None,
     ) -> None:
@@ -206,6 +224,11 @@ class UcxWorker:
             raise TransportError(f"UCX initialisation failed: {exc}") from exc
         self._fd = self.worker.epoll_file_descriptor
         self.spin_s = spin_us * 1e-6
+        self.linger_s = linger_us * 1e-6
+        self.active_at = 0.0  # when progress last found an event (see linger_us)
+        self.bursty = False  # small transfers come back to back: linger (small_done)
+        self._small_done_at = -1.0
+        self.pollers = 0  # waiting tasks polling this worker themselves: run() stands by
         self._pending: dict[int, tuple[Any, Any, Callback, bool, bool]] = {}
         self._queues: dict[int, deque[int]] = {}
         self._dirty = False
@@ -222,6 +245,7 @@ class UcxWorker:
         self.inline_sends = 0
         self.epoll_waits = 0
         self.poll_rounds = 0
+        self.linger_rounds = 0  # idle progress rounds while lingering (see linger_us)
         self.completions = 0
         self.polling = False  # inside poll(): latency first
 
@@ -500,6 +524,8 @@ class UcxWorker:
                     break
                 made = True
             self.poll_rounds += 1
+            if made:
+                self.active_at = time.perf_counter()
             self._run_deferred()
             self._dirty = False
             self._reap()
@@ -515,6 +541,18 @@ class UcxWorker:
                 # when there are fewer free cores than pollers); ~1 µs otherwise.
                 os.sched_yield()
         return done()
+
+    def lingering(self) -> bool:
+        """Whether this worker lingers now: small transfers come back to back
+        and progress found an event within the last ``linger_us``."""
+        return self.bursty and time.perf_counter() - self.active_at < self.linger_s
+
+    def small_done(self) -> None:
+        """A small transfer on this worker finished: from now on it lingers
+        after events iff the previous one finished within :data:`K_BURST_GAP_US`."""
+        now = time.perf_counter()
+        self.bursty = now - self._small_done_at < K_BURST_GAP_US * 1e-6
+        self._small_done_at = now
 
     def after_reap(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once after the current (or next) round of completions.
@@ -563,6 +601,9 @@ class UcxWorker:
         woke_by_tick = False
         busy = 0
         while not self.halted:
+            if self.pollers:  # a waiting task progresses this worker (UcxService.wait_small)
+                await trio.lowlevel.checkpoint()
+                continue
             made = False
             for _ in range(K_PROGRESS_BATCH):  # bounded: trio's other tasks must run
                 if not worker.progress_once():
@@ -570,7 +611,7 @@ class UcxWorker:
                 made = True
             self.progress_calls += 1
             if made:
-                last_event = time.perf_counter()
+                last_event = self.active_at = time.perf_counter()
                 idle_naps = 0
             # Deferred work runs after a progress batch: a rendezvous that the
             # last round's receives matched has started (or finished) by now.
@@ -594,6 +635,12 @@ class UcxWorker:
                     await trio.lowlevel.checkpoint()
                 continue
             if self._spinners and time.perf_counter() - last_event < self.spin_s:
+                await trio.lowlevel.checkpoint()
+                continue
+            if not self._spinners and self.lingering():
+                if not made:
+                    self.linger_rounds += 1
+                    os.sched_yield()
                 await trio.lowlevel.checkpoint()
                 continue
             if not worker.arm():
