@@ -336,3 +336,28 @@ async def test_request_deadline_bounds_the_wait_for_kv() -> None:
         assert trio.current_time() - t0 < 5  # the deadline, not the 30 s default
         assert released.error is not None and p.statistics().held_blocks == 0
         assert md.statistics().free_blocks == NB and md.drc.open_plans == 0
+
+
+def _tasks_named(suffix: str) -> int:
+    """Tasks of this trio run whose name ends with ``suffix`` (trio's public task tree)."""
+    todo, n = [trio.lowlevel.current_root_task()], 0
+    while todo:
+        task = todo.pop()
+        n += task.name.endswith(suffix)
+        todo.extend(c for nursery in task.child_nurseries for c in nursery.child_tasks)
+    return n
+
+
+async def test_reconnecting_a_decoder_keeps_one_watch_task() -> None:
+    """connect_peer again (a restarted peer, the directory's retry) does not add
+    a second task pinging the same decoder: one per peer name."""
+    rm, mm = (ReferenceModel.create(TINY, num_blocks=NB) for _ in range(2))
+    async with (
+        RelayEndpoint("rld", rm.pool, ReferenceEngine(rm), secret=KEY) as rld,
+        MainEndpoint("md", mm.pool, ReferenceEngine(mm), secret=KEY) as md,
+    ):
+        before = _tasks_named("_DecodeEndpoint._watch")
+        for _ in range(3):
+            await rld.connect_peer(md.info())
+            await md.connect_peer(rld.info())
+        assert _tasks_named("_DecodeEndpoint._watch") - before == 2  # one each way

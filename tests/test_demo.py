@@ -15,7 +15,6 @@ import pytest
 
 from pddnet import demo
 from pddnet.bench._common import pyplot
-from pddnet.demo._workload import make_sessions
 from pddnet.emu import unavailable_reason
 from pddnet.recompute import TINY
 from pddnet.transport.local import local_available
@@ -29,7 +28,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def _records(cfg: dict[str, Any], phases: tuple[str, ...] = ("pdd",)) -> list[dict[str, Any]]:
     """The requests the demo's front end submits, as unfinished records."""
-    sessions = make_sessions(
+    sessions = demo.make_sessions(
         cfg["seed"],
         cfg["sessions"],
         cfg["turns"],

@@ -137,6 +137,7 @@ class _DecodeEndpoint:
         self.model_id = model_id
         self.engine = engine
         self.watch_interval_s = watch_interval_s
+        self._watched: set[str] = set()  # peers a _watch task pings (one each)
         self.engine_id = engine_id or name
         self.rank = rank
         self.node = ControlNode(name, secret=secret, bind=control_bind, tcp=control_tcp)
@@ -211,8 +212,12 @@ class _DecodeEndpoint:
         # single-packet tail losses (docs/handoff-bench.md)
         wan = (info.role == "main") != (self.role == "main")
         await self.node.connect(info.name, info.control, paths=self.wan_control_paths if wan else 1)
-        if info.role in ("relay", "main") and info.role != self.role and self.watch_interval_s:
+        watch = info.role in ("relay", "main") and info.role != self.role
+        if watch and self.watch_interval_s and info.name not in self._watched:
+            # once per peer: a reconnect (a restarted peer, the directory's
+            # retry) keeps the task that already pings this name
             assert self._nursery is not None
+            self._watched.add(info.name)
             self._nursery.start_soon(self._watch, info.name)
 
     async def _watch(self, peer: str) -> None:
