@@ -114,10 +114,16 @@ async def test_vllm_decoders_stream_vllm_greedy(tmp_path: Path) -> None:
             rld, md = reports["rld"], reports["md"]
             assert rld["free_blocks"] == K_STAGING, rld
             assert md["free_blocks"] == K_STAGING - md["cached"], md
-            for r in (rld, md):
+            # RLD decodes (and so loads KV into vLLM) only where MD has not taken
+            # over first; on loopback MD may win every race. MD serves P_MD itself.
+            rld_emitted = sum(
+                peer == "rld" for got in sink.tokens.values() for _, peer in got.values()
+            )
+            for r, decoded in ((rld, rld_emitted > 0), (md, True)):
                 start, end = r["vllm_free"]
                 assert start == end, r
-                assert r["loads"][0] > 0, r  # the connector loaded KV into vLLM's blocks
+                if decoded:
+                    assert r["loads"][0] > 0, r  # the connector loaded KV into vLLM's blocks
             print(json.dumps(reports, indent=1))
     finally:
         for c in children.values():
