@@ -164,7 +164,7 @@ def _leaked(doc: dict[str, Any] | None) -> tuple[int, int] | None:
 def _check(results: list[dict[str, Any]], ref: dict[int, list[int]]) -> None:
     """Each request ended with the reference tokens, and its blocks came back."""
     for r in results:
-        assert r["done"] and r["error"] is None, r
+        assert r["done"] and r["error"] is None, json.dumps(r)  # whole: sources too
         assert r["tokens"] == ref[r["rid"]], f"request {r['rid']}'s tokens differ from greedy"
         assert r["released"], r
 
