@@ -13,7 +13,11 @@ from pddnet.transport import Receiver, Sender
 from pddnet.transport.testing import CHECKS, check_transport
 from pddnet.transport.wan import WanReceiver, WanSender
 from pddnet.transport.wan._io import EndOfStream, FrameReader, LowWater, recv_exact
-from pddnet.transport.wan._sender import K_DEFAULT_NOTSENT_LOWAT, K_FAST_NOTSENT_LOWAT
+from pddnet.transport.wan._sender import (
+    K_DEFAULT_NOTSENT_LOWAT,
+    K_FAST_NOTSENT_LOWAT,
+    K_IDLE_NOTSENT_LOWAT,
+)
 from pddnet.transport.wan._sockopts import K_TCP_NOTSENT_LOWAT
 
 
@@ -343,7 +347,9 @@ async def test_chunk_size_follows_the_path_on_loopback() -> None:
         await tx.wait_connected()
         await trio.sleep(0.15)  # a sampling period: a fixed size stays fixed
         assert tx.statistics().chunk_size == 256 << 10
-        assert {_notsent_lowat(s.sock) for s in tx._streams} == {K_DEFAULT_NOTSENT_LOWAT}
+        # not the fast path's mark: the bulk streams' is the idle one (tests/test_wan_mark.py)
+        lowat = [_notsent_lowat(s.sock) for s in tx._streams]
+        assert lowat == [K_IDLE_NOTSENT_LOWAT] * 2 + [K_DEFAULT_NOTSENT_LOWAT]
 
 
 def _notsent_lowat(sock: socket.socket) -> int:

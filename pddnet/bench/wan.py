@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--notsent-lowat",
         type=int,
         default=None,
-        help="pddnet's TCP_NOTSENT_LOWAT per stream, bytes (default: the sender's, 256 KiB)",
+        help="pddnet's TCP_NOTSENT_LOWAT per stream, bytes (default: the sender's, 256 KiB;"
+        " bulk streams use at least 1 MiB while no urgent transfer runs)",
     )
     parser.add_argument("--pacer", default="adaptive", help="pddnet pacer (adaptive, fixed)")
     parser.add_argument(

@@ -84,6 +84,7 @@ Built in:
 
 from __future__ import annotations
 
+import math
 import statistics
 from abc import ABC, abstractmethod
 from collections import deque
@@ -97,6 +98,7 @@ __all__ = [
     "Pacer",
     "PacingDecision",
     "TcpSample",
+    "UnsentMark",
     "available_pacers",
     "make_pacer",
     "register_pacer",
@@ -124,6 +126,43 @@ class PacingDecision:
 
     rate_per_stream: float | None
     active_streams: int
+
+
+@dataclass(slots=True)
+class UnsentMark:
+    """Which ``TCP_NOTSENT_LOWAT`` the bulk streams use now (sans-IO).
+
+    A high unsent mark means fewer, larger writes and wake-ups per chunk (less
+    CPU), but an urgent chunk that a bulk stream pulls waits behind up to that
+    many unsent bytes. So the bulk streams use ``high`` only while no urgent
+    (``priority > 0``) transfer is queued or in flight, and ``low`` from the
+    moment one is until ``hold`` seconds after the last one ended, so a train
+    of urgent transfers with short gaps does not flip the mark back and forth.
+    A bulk socket holding more than ``low`` unsent bytes when the mark drops is
+    not writable until it has drained, so it pulls no urgent chunk meanwhile
+    (the express stream serves them). docs/wan.md, "The unsent mark only while
+    no urgent transfer runs".
+
+    Args:
+        low: the mark with urgent transfers about (0: no mark at all, ever).
+        high: the mark for bulk alone (at least ``low``).
+        hold: seconds the mark stays ``low`` after the last urgent transfer ended.
+    """
+
+    low: int
+    high: int
+    hold: float
+    _low_until: float = -math.inf  # inf while an urgent transfer runs
+
+    def update(self, now: float, urgent: bool) -> int:
+        """The mark to use at ``now``, given whether an urgent transfer runs."""
+        if urgent:
+            self._low_until = math.inf
+        elif self._low_until == math.inf:  # the last urgent transfer ended now
+            self._low_until = now + self.hold
+        if not self.low or now < self._low_until:
+            return self.low
+        return max(self.high, self.low)
 
 
 class Pacer(ABC):

@@ -46,7 +46,7 @@ from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
 from ._framing import K_MAX_PAD, LinkCode, LinkFrame, LinkKind
 from ._io import EndOfStream, FrameReader, close, connect, digest_of, send_all
-from ._pacer import Pacer, PacingDecision, TcpSample, make_pacer
+from ._pacer import Pacer, PacingDecision, TcpSample, UnsentMark, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferFailed, TransferProgress
 from ._sockopts import (
     available_congestion,
@@ -106,6 +106,12 @@ K_DEFAULT_NOTSENT_LOWAT = 256 << 10
 # goodput 0.69-0.72 -> 0.80-0.83 of plain TCP in A/B (docs/wan.md "Chunking").
 # Urgent chunks take the express stream, which keeps the configured mark.
 K_FAST_NOTSENT_LOWAT = 1 << 20
+# On any path the bulk streams' mark rises to K_IDLE_NOTSENT_LOWAT while no urgent
+# transfer runs (:class:`~._pacer.UnsentMark`), and stays at the configured mark
+# until K_MARK_HOLD after the last urgent one ended (docs/wan.md, "The unsent mark
+# only while no urgent transfer runs").
+K_IDLE_NOTSENT_LOWAT = 1 << 20
+K_MARK_HOLD = 0.2
 K_DEFAULT_ALGO = ChecksumAlgo.XXH3_64
 K_SAMPLE_PERIOD = 0.1
 K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
@@ -322,8 +328,10 @@ class WanSender(Sender):
             delivery rate, so no stream bursts into the bottleneck queue the
             urgent chunks must cross (docs/wan.md); None: off.
         buffer_bytes: ``SO_SNDBUF``/``SO_RCVBUF`` of each stream.
-        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); on a
-            fast path the bulk streams use at least ``K_FAST_NOTSENT_LOWAT``.
+        notsent_lowat: ``TCP_NOTSENT_LOWAT`` of each stream (0 disables); the
+            bulk streams use ``K_IDLE_NOTSENT_LOWAT`` while no ``priority > 0``
+            transfer runs (this from when one starts until ``K_MARK_HOLD`` after
+            the last one ended), and at least ``K_FAST_NOTSENT_LOWAT`` on a fast path.
         secret: if set, every stream proves the shared secret to the receiver
             (challenge-response, :mod:`pddnet.transport._auth`) before any chunk.
         tls: if set, every stream is TLS (:class:`TlsConfig`: ``ca`` to verify the
@@ -380,6 +388,7 @@ class WanSender(Sender):
         self.algo = algo
         self.buffer_bytes = buffer_bytes
         self.notsent_lowat = notsent_lowat
+        self._mark = UnsentMark(notsent_lowat, K_IDLE_NOTSENT_LOWAT, K_MARK_HOLD)
         self.peer_timeout = peer_timeout
         self.secret = secret
         self.tls = tls
@@ -481,6 +490,7 @@ class WanSender(Sender):
         if ready and grant.total:
             self._sched.mark_ready(grant.transfer_id, 0, grant.total)
         if priority > 0:
+            self._apply_mark()  # before any stream can pull its first chunk
             self._apply_pacing()
         self._pump()
         self._wake()
@@ -559,6 +569,7 @@ class WanSender(Sender):
         # removes work (and hedging candidates), so it wakes nobody. A transfer that
         # ended changes the timers, the urgent pacing and what wait_connected sees.
         if ended:
+            self._apply_mark()
             if self.urgent_pacing is not None:
                 self._apply_pacing()
             self._wake()
@@ -649,8 +660,12 @@ class WanSender(Sender):
         samples = [s.sample for s in self._streams[: self._nbulk] if s.up and s.sample is not None]
         size = path_chunk_size(samples, base=self._base_chunk, largest=self._max_chunk)
         self._sched.chunk_size = size
-        lowat = self.notsent_lowat
-        if lowat and size > self._base_chunk:
+        self._apply_mark()
+
+    def _apply_mark(self) -> None:
+        """Set the bulk streams' unsent mark where it changed (:class:`UnsentMark`)."""
+        lowat = self._mark.update(trio.current_time(), self._sched.urgent_running())
+        if lowat and self._sched.chunk_size > self._base_chunk:
             lowat = max(lowat, K_FAST_NOTSENT_LOWAT)
         for s in self._streams[: self._nbulk]:
             if s.up and s.sock is not None and s.notsent_lowat != lowat:
@@ -780,7 +795,12 @@ class WanSender(Sender):
         sched = self._sched
         while True:
             if self.notsent_lowat:
+                lowat = s.notsent_lowat
                 await trio.lowlevel.wait_writable(sock)
+                if s.notsent_lowat < lowat:
+                    # lowered while this task was woken but had not run yet: wait for
+                    # room under the new mark before pulling (maybe urgent) a chunk
+                    continue
             # checked after every wait: a frame may be queued while we were waiting
             if s.control:
                 await send_all(sock, [memoryview(s.control.pop(0).encode())])
