@@ -17,6 +17,7 @@ a line on stdin, each answered by one JSON line on stdout (``_Driver``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -179,6 +180,8 @@ class _Driver:
             "error": None if stream.error is None else repr(stream.error),
             "released": rid in self.released,
             "release_error": self.released.get(rid),
+            # the sink's counters so far (rounds, takeovers): a stalled stream's clues
+            "sink": dataclasses.asdict(self.p.sink.statistics()),
         }
 
     async def run(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
