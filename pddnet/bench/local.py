@@ -28,9 +28,9 @@ loopback; ``xhost``: two hosts, below):
   ``--poll-us``; ``PDDNET_BENCH_POLL_MAX`` overrides its 64 KiB size limit);
 * ``pddnet_spaced``: the default mode with :data:`K_SPACED_GAP_US` of idle
   after each transfer (``xhost`` only): both ends have stopped lingering and
-  sleep on epoll when the next one comes, so its ``one_way_us`` is an
-  isolated transfer's and its ``cpu_us`` / ``server_cpu_us`` include the
-  linger's polling after each transfer (``pddnet`` rows are back to back);
+  sleep on epoll when the next one comes, so its ``one_way_us`` and
+  ``cpu_us`` / ``server_cpu_us`` are an isolated transfer's (which does not
+  linger: the burst gate; ``pddnet`` rows are back to back);
 * ``pddnet_nocma``: the receiver without ``cma`` (``UcxReceiver(cma=False)``,
   RLD's default: a killed sender cannot abort it), ``sm`` only: the receiver
   as deployed, behind the summary's headline ratios;

@@ -432,7 +432,8 @@ class UcxWorker:
         return handle in self._pending
 
     def sends_queued(self) -> bool:
-        """Whether any control send (a spinning request, ``spin=True``) is still in flight."""
+        """Whether any spinning request (``spin=True``: a send, or a transfer's data
+        receive) is still in flight."""
         return any(e[3] for e in self._pending.values())
 
     def forget(self, handle: int) -> None:
