@@ -141,7 +141,9 @@ class UnsentMark:
     A bulk socket holding more than ``low`` unsent bytes when the mark drops is
     not writable until it has drained, so it pulls no urgent chunk meanwhile
     (the express stream serves them). docs/wan.md, "The unsent mark only while
-    no urgent transfer runs".
+    no urgent transfer runs". The sender's bulk chunk size follows the same
+    state (:meth:`bulk_only`; docs/wan.md, "Larger chunks while no urgent
+    transfer runs").
 
     Args:
         low: the mark with urgent transfers about (0: no mark at all, ever).
@@ -160,9 +162,15 @@ class UnsentMark:
             self._low_until = math.inf
         elif self._low_until == math.inf:  # the last urgent transfer ended now
             self._low_until = now + self.hold
-        if not self.low or now < self._low_until:
+        if not self.low or not self.bulk_only(now):
             return self.low
         return max(self.high, self.low)
+
+    def bulk_only(self, now: float) -> bool:
+        """Whether the bulk-alone settings apply at ``now``: no urgent transfer
+        since ``hold`` seconds, as of the last :meth:`update` (even with
+        ``low`` 0, which only means there is no mark to raise)."""
+        return now >= self._low_until
 
 
 class Pacer(ABC):

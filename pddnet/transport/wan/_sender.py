@@ -62,6 +62,7 @@ __all__ = [
     "StreamStatistics",
     "WanSender",
     "WanTransfer",
+    "bulk_chunk_size",
     "default_streams",
     "path_chunk_size",
 ]
@@ -112,6 +113,11 @@ K_FAST_NOTSENT_LOWAT = 1 << 20
 # only while no urgent transfer runs").
 K_IDLE_NOTSENT_LOWAT = 1 << 20
 K_MARK_HOLD = 0.2
+# In the same state (the mark high: no urgent transfer for K_MARK_HOLD) the bulk
+# chunks are at least this large (at most max_chunk_size): fewer per-chunk headers,
+# grant lookups, cancel scopes and acks on both sides (docs/wan.md, "Larger chunks
+# while no urgent transfer runs"); an urgent transfer's start drops the size back.
+K_BULK_CHUNK = 4 << 20
 K_DEFAULT_ALGO = ChecksumAlgo.XXH3_64
 K_SAMPLE_PERIOD = 0.1
 K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
@@ -148,6 +154,25 @@ def path_chunk_size(samples: Sequence[TcpSample], *, base: int, largest: int) ->
     while size * 2 <= fits:
         size *= 2
     return size
+
+
+def bulk_chunk_size(path: int, *, largest: int, bulk_only: bool) -> int:
+    """The chunk size the scheduler cuts now.
+
+    The path's size (:func:`path_chunk_size`) while an urgent transfer is about;
+    with bulk alone (:meth:`~._pacer.UnsentMark.bulk_only`) at least
+    ``K_BULK_CHUNK``, at most ``largest``: no urgent chunk waits for a stream
+    then, and one that comes later is cut after the size has dropped back.
+
+    Args:
+        path: the path's chunk size.
+        largest: the most it may grow to (``max_chunk_size``).
+        bulk_only: whether no urgent transfer runs or ended within the hold.
+
+    Returns:
+        The chunk size in bytes.
+    """
+    return max(path, min(K_BULK_CHUNK, largest)) if bulk_only else path
 
 
 def express_window_ok(sample: TcpSample | None) -> bool:
@@ -313,7 +338,9 @@ class WanSender(Sender):
             most ``K_MAX_PAD``; 0: none).
         chunk_size: largest chunk payload; None (default): chosen per path, 1 MiB,
             or up to ``max_chunk_size`` on a fast short path (RTT floor under 1 ms,
-            no loss; see docs/wan.md "Chunking").
+            no loss; see docs/wan.md "Chunking"); on any path at least 4 MiB
+            (``K_BULK_CHUNK``, at most ``max_chunk_size``) while no urgent
+            transfer runs (:func:`bulk_chunk_size`).
         max_chunk_size: the largest chunk the per-path choice may use (at most the
             receiver's ``max_chunk``, 16 MiB by default).
         congestion: ``TCP_CONGESTION`` per socket (default bbr where available).
@@ -400,6 +427,7 @@ class WanSender(Sender):
         self._max_chunk = self._base_chunk if chunk_size is not None else max_chunk_size
         if self._base_chunk < 1 or self._max_chunk < 1:
             raise LocalProtocolError("chunk sizes must be positive")
+        self._path_chunk = self._base_chunk  # path_chunk_size's latest choice
         self._sched = Scheduler(self._base_chunk, policy=policy, max_copies=2 if hedge else 1)
         self._sched.active_streams = streams
         self._sched.express = frozenset(range(streams, streams + express_streams))
@@ -658,14 +686,18 @@ class WanSender(Sender):
 
     def _choose_chunk(self) -> None:
         samples = [s.sample for s in self._streams[: self._nbulk] if s.up and s.sample is not None]
-        size = path_chunk_size(samples, base=self._base_chunk, largest=self._max_chunk)
-        self._sched.chunk_size = size
+        self._path_chunk = path_chunk_size(samples, base=self._base_chunk, largest=self._max_chunk)
         self._apply_mark()
 
     def _apply_mark(self) -> None:
-        """Set the bulk streams' unsent mark where it changed (:class:`UnsentMark`)."""
-        lowat = self._mark.update(trio.current_time(), self._sched.urgent_running())
-        if lowat and self._sched.chunk_size > self._base_chunk:
+        """Set the bulk streams' unsent mark where it changed, and the chunk size
+        (:class:`UnsentMark`, :func:`bulk_chunk_size`): both from one state."""
+        now = trio.current_time()
+        lowat = self._mark.update(now, self._sched.urgent_running())
+        self._sched.chunk_size = bulk_chunk_size(
+            self._path_chunk, largest=self._max_chunk, bulk_only=self._mark.bulk_only(now)
+        )
+        if lowat and self._path_chunk > self._base_chunk:
             lowat = max(lowat, K_FAST_NOTSENT_LOWAT)
         for s in self._streams[: self._nbulk]:
             if s.up and s.sock is not None and s.notsent_lowat != lowat:
