@@ -26,8 +26,11 @@ readable when the socket's state changes, and any zmq call (a send included)
 may consume that edge. So the reader drains until ``EVENTS`` shows no
 ``POLLIN`` before it sleeps in ``wait_readable``, and every send re-checks
 ``EVENTS`` afterwards and wakes the reader (by cancelling its wait) if input
-arrived meanwhile. Senders blocked by the high-water mark park until the
-reader sees ``POLLOUT``. Nothing polls in a loop, and no thread is used.
+arrived meanwhile: a send that fails too (no route to the peer, a full
+queue), since zmq processed the socket's pending commands before it
+refused, and with them the edge. Senders blocked by the high-water mark
+park until the reader sees ``POLLOUT``. Nothing polls in a loop, and no
+thread is used.
 
 Frames are authenticated (:func:`pddnet.wire.decode_frame`) and checked for
 replay per socket, sender and path (:class:`~pddnet.control._paths.PathGuard`).
@@ -206,11 +209,15 @@ class _Pump:
         self.sock.close(0)
 
     def kick(self) -> None:
-        """Wake the reader if input arrived behind the edge a send consumed."""
-        if (
-            self.wait_scope is not None
-            and typing.cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN
-        ):
+        """Wake the reader if input arrived behind the edge a send consumed
+        (a send that failed included)."""
+        if self.wait_scope is None:
+            return
+        try:
+            events = typing.cast(int, self.sock.getsockopt(_EVENTS))
+        except zmq.ZMQError:  # the socket is going away (a closing context): nothing to read
+            return
+        if events & _POLLIN:
             self.wait_scope.cancel()
 
 
@@ -664,6 +671,10 @@ class ControlNode:
     ) -> tuple[int, bool, zmq.ZMQError | None]:
         """Hand ``frame`` to zmq once per target, never blocking.
 
+        Every attempt kicks the target's reader, the failed ones too: a send
+        that fails (no route, a full queue) has still processed the socket's
+        commands, and with them the FD edge that announced new input.
+
         Returns (copies handed over, whether some target was full or not yet
         connected, the first other error).
         """
@@ -674,7 +685,8 @@ class ControlNode:
                 return 0, True, None
             except zmq.ZMQError as exc:
                 return 0, False, exc
-            pump.kick()
+            finally:
+                pump.kick()
             return 1, False, None
         copies, blocked, error = 0, False, None
         for k, prefix in enumerate(prefixes):
@@ -691,8 +703,9 @@ class ControlNode:
                     with contextlib.suppress(ValueError):
                         self._twin_routes[peer].remove(prefix[0])
                 continue
+            finally:
+                target.kick()
             copies += 1
-            target.kick()
         return copies, blocked, error
 
     # ------------------------------------------------------------- receiving
