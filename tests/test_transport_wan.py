@@ -11,7 +11,7 @@ import trio
 
 from pddnet.transport import Receiver, Sender
 from pddnet.transport.testing import CHECKS, check_transport
-from pddnet.transport.wan import WanReceiver, WanSender
+from pddnet.transport.wan import WanReceiver, WanSender, _io
 from pddnet.transport.wan._io import EndOfStream, FrameReader, LowWater, recv_exact
 from pddnet.transport.wan._sender import (
     K_DEFAULT_NOTSENT_LOWAT,
@@ -401,10 +401,14 @@ class _CountingSocket(socket.socket):
             raise
 
 
-async def test_recv_exact_sets_low_water_on_change_and_waits_after_short_read() -> None:
+async def test_recv_exact_sets_low_water_on_change_and_waits_after_short_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A payload trickling in: ``SO_RCVLOWAT`` is set only when the wanted size
     changes, and a short read waits at once (no ``recv_into`` into ``EAGAIN``),
-    across calls on the same socket (issue 23)."""
+    across calls on the same socket (issue 23). The pure-Python loop's calls
+    (tests/test_wan_native.py checks the native mover's)."""
+    monkeypatch.setattr(_io, "K_NATIVE", False)
     with socket.create_server(("127.0.0.1", 0)) as srv:
         b = socket.create_connection(srv.getsockname())
         fd, _ = srv._accept()  # type: ignore[attr-defined]

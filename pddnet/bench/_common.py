@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .._progress import StatusLine
+from ..transport.wan import native_path
 
 __all__ = [
     "Progress",
@@ -126,6 +127,9 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
+        # the WAN transport's socket loop in this process and its children (the
+        # compiled mover, or the pure-Python fallback; PDDNET_NATIVE=0 forces it)
+        "wan_data_path": native_path(),
     }
 
 

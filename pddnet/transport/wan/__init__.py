@@ -11,6 +11,7 @@ size. See docs/wan.md for the design.
 
 from ._acceptor import GrantTable
 from ._framing import LinkCode, LinkFrame, LinkKind
+from ._io import native_path
 from ._limits import WanLimitExceeded, WanLimits
 from ._messages import WanCancel, WanGrant, WanGrantRequest
 from ._pacer import (
@@ -66,6 +67,7 @@ __all__ = [
     "WanReceiver",
     "WanSender",
     "WanTransfer",
+    "native_path",
     "available_pacers",
     "default_streams",
     "make_pacer",

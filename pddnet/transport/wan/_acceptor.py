@@ -58,6 +58,7 @@ from __future__ import annotations
 import enum
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..._errors import (
@@ -133,10 +134,26 @@ class WritePermit:
     someone else), not one more byte of it lands in them.
     """
 
-    __slots__ = ("live",)
+    __slots__ = ("_watchers", "live")
 
     def __init__(self) -> None:
         self.live = True
+        self._watchers: dict[object, Callable[[], None]] = {}
+
+    def watch(self, key: object, on_revoke: Callable[[], None]) -> None:
+        """Call ``on_revoke`` from :meth:`revoke` (a read handed to another thread
+        takes it back there, see ``_io``), until ``unwatch(key)``."""
+        self._watchers[key] = on_revoke
+
+    def unwatch(self, key: object) -> None:
+        self._watchers.pop(key, None)
+
+    def revoke(self) -> None:
+        """End the licence: :attr:`live` is false and every watcher has run."""
+        self.live = False
+        watchers, self._watchers = self._watchers, {}
+        for on_revoke in watchers.values():
+            on_revoke()
 
 
 class _Duplicates:
@@ -365,7 +382,7 @@ class GrantTable:
 
     def _retire(self, tid: int, ok: bool) -> None:
         g = self._grants.pop(tid)
-        g.permit.live = False  # payloads still arriving for it go nowhere
+        g.permit.revoke()  # payloads still arriving for it go nowhere
         self.bytes_granted -= g.ranges.total
         if g.peer is not None:
             n, b = self._peer_use.pop(g.peer)

@@ -13,20 +13,50 @@ The same helpers drive TLS sockets (``ssl.SSLSocket``, see :mod:`._tls`):
 ``SSLWantWrite`` take the place of ``EAGAIN``, and, as ``SSLSocket`` has no
 ``sendmsg``, the buffers are written one ``send`` each (OpenSSL cuts them into
 records anyway, so there is no joining copy either).
+
+**The native path.** Where pip built :mod:`._mover` (C; optional), plain
+sockets' writes and reads run on a native thread with its own ``epoll``,
+without the GIL. Each operation is first tried on the calling thread, so a
+socket with room or data costs no hand-off; only what is left waits on the
+thread. One ``Mover`` belongs to each trio run (a ``RunVar``), with a system
+task that turns its completions into task wake-ups: a task that sends a 1 MiB
+chunk wakes once, however often the kernel woke the thread for room meanwhile.
+Measured against the pure-Python loop in docs/wan.md ("The native data
+path"); :func:`native_path` says which is in use, and ``PDDNET_NATIVE=0`` in
+the environment (read at import) turns it off. It keeps the pure-Python
+loop's guarantees:
+
+* a read into a permit's blocks stops, with not one byte more landing, the
+  moment the permit is revoked (the revocation takes the operation back from
+  the thread synchronously: ``Mover.cancel`` returns only once the thread is
+  out of its system call);
+* a cancelled wait takes its operation back the same way;
+* :func:`close` takes back every operation on a socket before closing it, and
+  their tasks get :class:`trio.ClosedResourceError`, as
+  ``trio.lowlevel.notify_closing`` gives trio's own waits.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
+import os
 import socket
 import ssl
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+import outcome
 import trio
 import xxhash
 from crc32c import crc32c
 
 from ...wire import ChecksumAlgo
+
+try:
+    from . import _mover
+except ImportError:  # not built here: the pure-Python loop runs
+    _mover = None  # type: ignore[assignment]
 
 __all__ = [
     "Digest",
@@ -38,6 +68,8 @@ __all__ = [
     "close",
     "connect",
     "digest_of",
+    "native_path",
+    "open_native",
     "recv_exact",
     "send_all",
 ]
@@ -65,6 +97,10 @@ class Revoked(Exception):
 
 class Permit(Protocol):
     live: bool
+
+    def watch(self, key: object, on_revoke: Callable[[], None]) -> None: ...
+
+    def unwatch(self, key: object) -> None: ...
 
 
 class LowWater:
@@ -104,6 +140,10 @@ async def recv_exact(
     await trio.lowlevel.checkpoint_if_cancelled()
     if isinstance(sock, ssl.SSLSocket):
         await _recv_exact_tls(sock, mv, lowat, permit)
+        return
+    native = _native_io()
+    if native is not None:
+        await native.recv_exact(sock.fileno(), mv, lowat, permit)
         return
     got, n = 0, len(mv)
     while got < n:
@@ -209,6 +249,10 @@ async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
     if isinstance(sock, ssl.SSLSocket):
         await _send_all_tls(sock, bufs)
         return
+    native = _native_io()
+    if native is not None:
+        await native.send_all(sock.fileno(), bufs)
+        return
     i = 0
     while i < len(bufs):
         try:
@@ -274,8 +318,144 @@ async def accept(lsock: socket.socket) -> socket.socket:
 def close(sock: socket.socket) -> None:
     """Close a socket other tasks may be waiting on (they get ClosedResourceError)."""
     if sock.fileno() != -1:
+        _forget(sock.fileno())
         trio.lowlevel.notify_closing(sock)
         sock.close()
+
+
+K_NATIVE = _mover is not None and os.environ.get("PDDNET_NATIVE", "1") != "0"
+
+
+def native_path() -> str:
+    """``"native"`` if this process's WAN sockets use the native mover, else ``"python"``."""
+    return "native" if K_NATIVE else "python"
+
+
+class _NativeIO:
+    """One trio run's ``Mover`` and the task that delivers its completions."""
+
+    def __init__(self) -> None:
+        assert _mover is not None
+        self._mover = _mover.Mover()
+        self._waiting: dict[int, trio.lowlevel.Task] = {}
+        self._tokens = itertools.count(1)
+
+    async def _deliver(self) -> None:
+        fd = self._mover.fileno()
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                for token, status, done, lowat in self._mover.completions():
+                    task = self._waiting.pop(token, None)
+                    if task is not None:
+                        trio.lowlevel.reschedule(task, outcome.Value((status, done, lowat)))
+        finally:
+            self._mover.close()
+
+    async def _wait(self, token: int, lowat: LowWater | None = None) -> tuple[int, int, int]:
+        self._waiting[token] = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            taken = self._mover.cancel(token)
+            if taken is None:
+                return trio.lowlevel.Abort.FAILED  # finished: its completion wakes us
+            del self._waiting[token]
+            if lowat is not None:
+                lowat.value = taken[1]
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        result: tuple[int, int, int] = await trio.lowlevel.wait_task_rescheduled(abort)
+        return result
+
+    async def send_all(self, fd: int, bufs: Sequence[memoryview]) -> None:
+        """Write every buffer in order (the caller has checkpointed).
+
+        Cancellation stops the write part-way (the stream is then unusable).
+
+        Raises:
+            OSError: on a socket error.
+        """
+        token = next(self._tokens)
+        status, _, _ = self._mover.send(fd, bufs, token)
+        if status == _mover.PENDING:
+            status, _, _ = await self._wait(token)
+            if status:
+                raise OSError(status, f"send: {os.strerror(status)}")
+
+    async def recv_exact(
+        self, fd: int, mv: memoryview, lowat: LowWater, permit: Permit | None
+    ) -> None:
+        """Fill ``mv`` (the caller has checkpointed); ``lowat`` follows the socket.
+
+        Raises:
+            EndOfStream: if the peer closes first.
+            Revoked: if ``permit`` was revoked before ``mv`` was full.
+            OSError: on a socket error.
+        """
+        if permit is not None and not permit.live:
+            raise Revoked(0)
+        token = next(self._tokens)
+        status, _, lowat.value = self._mover.recv(fd, mv, token, lowat.value, K_RCVLOWAT)
+        if status == _mover.PENDING:
+            if permit is not None:
+                permit.watch(token, lambda: self._revoke(token, lowat))
+            try:
+                status, _, lowat.value = await self._wait(token, lowat)
+            finally:
+                if permit is not None:
+                    permit.unwatch(token)
+        if status == _mover.EOF:
+            raise EndOfStream
+        if status:
+            raise OSError(status, f"recv: {os.strerror(status)}")
+
+    def _revoke(self, token: int, lowat: LowWater) -> None:
+        taken = self._mover.cancel(token)
+        if taken is None:
+            return  # it had finished: its completion wakes the task
+        lowat.value = taken[1]
+        task = self._waiting.pop(token)
+        trio.lowlevel.reschedule(task, outcome.Error(Revoked(taken[0])))
+
+    def forget(self, fd: int) -> None:
+        for token in self._mover.cancel_fd(fd):
+            task = self._waiting.pop(token, None)
+            if task is not None:
+                err = trio.ClosedResourceError("the socket was closed")
+                trio.lowlevel.reschedule(task, outcome.Error(err))
+
+
+_RUN: trio.lowlevel.RunVar[_NativeIO] = trio.lowlevel.RunVar("pddnet_native_io")
+
+
+def _native_io() -> _NativeIO | None:
+    """This trio run's :class:`_NativeIO` (started on first use), or None without one."""
+    if not K_NATIVE:
+        return None
+    try:
+        return _RUN.get()
+    except LookupError:
+        io = _NativeIO()
+        _RUN.set(io)
+        trio.lowlevel.spawn_system_task(io._deliver, name="pddnet native mover")
+        return io
+
+
+def open_native() -> None:
+    """Start this trio run's native mover now, if there is one (its thread and three
+    descriptors then exist from a service's start, not from its first read)."""
+    _native_io()
+
+
+def _forget(fd: int) -> None:
+    """Take back every native operation on ``fd`` before it is closed."""
+    if not K_NATIVE:
+        return
+    try:
+        io = _RUN.get()
+    except (LookupError, RuntimeError):  # none started, or not in a trio run
+        return
+    io.forget(fd)
 
 
 class Digest:

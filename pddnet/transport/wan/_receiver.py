@@ -89,6 +89,7 @@ from ._io import (
     Revoked,
     accept,
     close,
+    open_native,
     recv_exact,
     send_all,
 )
@@ -291,6 +292,7 @@ class WanReceiver(Receiver):
         self.address = ""
 
     async def __aenter__(self) -> WanReceiver:
+        open_native()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -45,7 +45,7 @@ from ...wire._auth import AuthRole
 from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
 from ._framing import K_MAX_PAD, LinkCode, LinkFrame, LinkKind
-from ._io import EndOfStream, FrameReader, close, connect, digest_of, send_all
+from ._io import EndOfStream, FrameReader, close, connect, digest_of, open_native, send_all
 from ._pacer import Pacer, PacingDecision, TcpSample, UnsentMark, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferFailed, TransferProgress
 from ._sockopts import (
@@ -451,6 +451,7 @@ class WanSender(Sender):
         self._closed = False
 
     async def __aenter__(self) -> WanSender:
+        open_native()
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         self._down_since = trio.current_time()

@@ -1,0 +1,635 @@
+/* pddnet.transport.wan._mover: the WAN data path's system calls on a native thread.
+ *
+ * A Mover owns one POSIX thread with its own epoll instance. Python queues an
+ * *operation* on a non-blocking socket: write these buffers in order (a gather
+ * write), or fill this buffer exactly. Each call first tries the operation on
+ * the calling thread (GIL released), so a socket that has room, or data
+ * queued, costs no hand-off at all. What is left goes to the thread, which
+ * waits for the socket in its own epoll and does the rest of the system calls
+ * without the GIL. A finished operation is put on a completion list and the
+ * Mover's eventfd (fileno()) becomes readable; Python drains the list with
+ * completions().
+ *
+ * So the Python side (trio) wakes once per finished operation (one per
+ * chunk), however many times the kernel woke the thread for room or data.
+ *
+ * Rules that keep it safe:
+ * - The thread touches an operation only while it is linked in the active
+ *   list, and marks it busy (mu released) for the length of its system calls.
+ *   cancel() and cancel_fd() wait until it is not busy, then unlink it: once
+ *   they return, not one more byte is read into, or written from, its
+ *   buffers. A receiver relies on this to revoke a grant's blocks.
+ * - Buffers are held (PyObject_GetBuffer) from start to release, and released
+ *   only by the thread that holds the GIL: in completions(), cancel*() and
+ *   close().
+ * - A socket must not be closed while an operation on it is active: call
+ *   cancel_fd(fd) first (pddnet's close helper does).
+ * - One operation per socket at a time (the socket is registered in the
+ *   thread's epoll for the operation's direction only).
+ *
+ * Status codes in completions(): 0 done, -1 end of stream (the peer closed
+ * while a receive wanted more), or a positive errno.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define K_IOV_MAX 512 /* iovecs per sendmsg, well under Linux's 1024 */
+#define K_EVENTS 64
+#define K_EOF (-1)
+#define K_PENDING 1
+#define K_DONE 0
+
+enum { OP_SEND = 1, OP_RECV = 2 };
+
+typedef struct Op {
+    struct Op *prev, *next;
+    unsigned long long token;
+    int fd;
+    int kind;
+    int busy;       /* the thread is in a system call on it (mu not held) */
+    int cancelled;  /* cancel() is waiting for it, or has taken it */
+    int registered; /* fd is in the thread's epoll for this operation */
+    int status;     /* K_DONE, K_EOF or an errno, once finished */
+    Py_ssize_t done, total;
+    int lowat, lowat_cap; /* receive: SO_RCVLOWAT as last set, and its cap */
+    int niov, iov_i;
+    struct iovec *iov;
+    Py_buffer *views;
+    int nviews;
+} Op;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t idle; /* broadcast when a cancelled operation stops being busy */
+    int epfd, done_efd, stop_efd;
+    pthread_t thread;
+    int running;
+    Op *active;              /* doubly linked */
+    Op *done_head, *done_tail; /* finished, not yet collected */
+} Mover;
+
+/* ---- lists (mu held) ---- */
+
+static void unlink_active(Mover *m, Op *op) {
+    if (op->prev) op->prev->next = op->next;
+    else m->active = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = NULL;
+}
+
+static void push_active(Mover *m, Op *op) {
+    op->prev = NULL;
+    op->next = m->active;
+    if (m->active) m->active->prev = op;
+    m->active = op;
+}
+
+static void push_done(Mover *m, Op *op) {
+    op->prev = op->next = NULL;
+    if (m->done_tail) m->done_tail->next = op;
+    else m->done_head = op;
+    m->done_tail = op;
+}
+
+static Op *find_active(Mover *m, unsigned long long token) {
+    for (Op *op = m->active; op; op = op->next)
+        if (op->token == token) return op;
+    return NULL;
+}
+
+/* ---- operations (no Python, no mu) ---- */
+
+/* Run the operation's system calls until it is finished (K_DONE, K_EOF or an
+ * errno) or the socket has no room or data (EAGAIN). A short write or read means
+ * the socket is full or empty, so it stops there rather than retrying into EAGAIN. */
+static int run_op(Op *op) {
+    if (op->kind == OP_SEND) {
+        while (op->iov_i < op->niov) {
+            struct msghdr msg;
+            memset(&msg, 0, sizeof msg);
+            int n = op->niov - op->iov_i;
+            msg.msg_iov = op->iov + op->iov_i;
+            msg.msg_iovlen = n < K_IOV_MAX ? n : K_IOV_MAX;
+            Py_ssize_t want = 0;
+            for (size_t i = 0; i < msg.msg_iovlen; i++) want += (Py_ssize_t)msg.msg_iov[i].iov_len;
+            ssize_t k = sendmsg(op->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (k < 0) {
+                if (errno == EINTR) continue;
+                return errno == EWOULDBLOCK ? EAGAIN : errno;
+            }
+            op->done += k;
+            Py_ssize_t left = k;
+            while (left && op->iov_i < op->niov) {
+                struct iovec *v = &op->iov[op->iov_i];
+                if ((size_t)left >= v->iov_len) {
+                    left -= (Py_ssize_t)v->iov_len;
+                    op->iov_i++;
+                } else {
+                    v->iov_base = (char *)v->iov_base + left;
+                    v->iov_len -= (size_t)left;
+                    left = 0;
+                }
+            }
+            /* skip empty buffers */
+            while (op->iov_i < op->niov && op->iov[op->iov_i].iov_len == 0) op->iov_i++;
+            if (k < want && op->iov_i < op->niov) return EAGAIN;
+        }
+        return K_DONE;
+    }
+    while (op->done < op->total) {
+        char *p = (char *)op->views[0].buf + op->done;
+        ssize_t k = recv(op->fd, p, (size_t)(op->total - op->done), MSG_DONTWAIT);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return errno == EWOULDBLOCK ? EAGAIN : errno;
+        }
+        if (k == 0) return K_EOF;
+        op->done += k;
+        if (op->done < op->total) return EAGAIN; /* took all that was queued */
+    }
+    return K_DONE;
+}
+
+/* Wait for the socket: set the receive low-water mark (only when it changes) so
+ * that the thread wakes for a useful amount, then (re-)arm the one-shot epoll
+ * registration. Returns 0 or an errno. */
+static int arm(Mover *m, Op *op) {
+    struct epoll_event ev;
+    if (op->kind == OP_RECV) {
+        Py_ssize_t left = op->total - op->done;
+        int want = left < op->lowat_cap ? (int)left : op->lowat_cap;
+        if (want < 1) want = 1;
+        if (want != op->lowat) {
+            if (setsockopt(op->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) < 0) return errno;
+            op->lowat = want;
+        }
+    }
+    memset(&ev, 0, sizeof ev);
+    ev.events = (op->kind == OP_SEND ? EPOLLOUT : EPOLLIN) | EPOLLONESHOT;
+    ev.data.u64 = op->token;
+    if (epoll_ctl(m->epfd, op->registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, op->fd, &ev) < 0)
+        return errno;
+    op->registered = 1;
+    return 0;
+}
+
+static void disarm(Mover *m, Op *op) {
+    if (op->registered) {
+        epoll_ctl(m->epfd, EPOLL_CTL_DEL, op->fd, NULL);
+        op->registered = 0;
+    }
+}
+
+/* GIL held. */
+static void free_op(Op *op) {
+    for (int i = 0; i < op->nviews; i++) PyBuffer_Release(&op->views[i]);
+    PyMem_Free(op->views);
+    PyMem_Free(op->iov);
+    PyMem_Free(op);
+}
+
+static void *mover_main(void *arg) {
+    Mover *m = (Mover *)arg;
+    struct epoll_event evs[K_EVENTS];
+    for (;;) {
+        int n = epoll_wait(m->epfd, evs, K_EVENTS, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        int finished = 0, stop = 0;
+        pthread_mutex_lock(&m->mu);
+        for (int i = 0; i < n; i++) {
+            unsigned long long token = evs[i].data.u64;
+            if (token == 0) {
+                stop = 1;
+                continue;
+            }
+            Op *op = find_active(m, token);
+            if (op == NULL || op->cancelled) continue;
+            op->busy = 1;
+            pthread_mutex_unlock(&m->mu);
+            int r = run_op(op);
+            if (r == EAGAIN) {
+                int e = arm(m, op);
+                if (e) r = e;
+            }
+            pthread_mutex_lock(&m->mu);
+            op->busy = 0;
+            if (op->cancelled) {
+                pthread_cond_broadcast(&m->idle);
+                continue;
+            }
+            if (r != EAGAIN) {
+                op->status = r;
+                disarm(m, op);
+                unlink_active(m, op);
+                push_done(m, op);
+                finished = 1;
+            }
+        }
+        pthread_mutex_unlock(&m->mu);
+        if (finished) {
+            uint64_t one = 1;
+            ssize_t w = write(m->done_efd, &one, sizeof one);
+            (void)w; /* the counter cannot overflow at one write per batch */
+        }
+        if (stop) break;
+    }
+    return NULL;
+}
+
+/* ---- the Python type ---- */
+
+static int Mover_init(Mover *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":Mover", kwlist)) return -1;
+    if (m->running) {
+        PyErr_SetString(PyExc_RuntimeError, "Mover already initialised");
+        return -1;
+    }
+    m->epfd = epoll_create1(EPOLL_CLOEXEC);
+    m->done_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    m->stop_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (m->epfd < 0 || m->done_efd < 0 || m->stop_efd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.events = EPOLLIN;
+    ev.data.u64 = 0;
+    if (epoll_ctl(m->epfd, EPOLL_CTL_ADD, m->stop_efd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->idle, NULL);
+    int err = pthread_create(&m->thread, NULL, mover_main, m);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    m->running = 1;
+    return 0;
+}
+
+static PyObject *Mover_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Mover *m = (Mover *)type->tp_alloc(type, 0);
+    if (m == NULL) return NULL;
+    m->epfd = m->done_efd = m->stop_efd = -1;
+    return (PyObject *)m;
+}
+
+static int check_open(Mover *m) {
+    if (!m->running) {
+        PyErr_SetString(PyExc_ValueError, "the Mover is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* Try the new operation here, then hand what is left to the thread.
+ * Returns a new reference: (status, done, lowat) with status K_DONE, K_PENDING or
+ * K_EOF; raises OSError for a socket error. */
+static PyObject *start_op(Mover *m, Op *op) {
+    int r;
+    Py_ssize_t done;
+    int lowat;
+    Py_BEGIN_ALLOW_THREADS
+    r = run_op(op);
+    done = op->done; /* the thread owns the operation once it is active */
+    lowat = op->lowat;
+    if (r == EAGAIN) {
+        /* armed under mu: the thread may take the event at once, and must find the
+         * operation whole (linked, registered) when it does */
+        pthread_mutex_lock(&m->mu);
+        push_active(m, op);
+        int e = arm(m, op);
+        if (e) {
+            disarm(m, op);
+            unlink_active(m, op);
+            r = e;
+        }
+        lowat = op->lowat;
+        pthread_mutex_unlock(&m->mu);
+    }
+    Py_END_ALLOW_THREADS
+    if (r == EAGAIN) return Py_BuildValue("(inI)", K_PENDING, done, (unsigned)lowat);
+    free_op(op);
+    if (r == K_DONE || r == K_EOF) return Py_BuildValue("(inI)", r, done, (unsigned)lowat);
+    errno = r;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static Op *new_op(int fd, unsigned long long token, int kind, int nviews) {
+    Op *op = PyMem_Calloc(1, sizeof(Op));
+    if (op == NULL) return NULL;
+    op->views = PyMem_Calloc(nviews ? (size_t)nviews : 1, sizeof(Py_buffer));
+    op->iov = PyMem_Calloc(nviews ? (size_t)nviews : 1, sizeof(struct iovec));
+    if (op->views == NULL || op->iov == NULL) {
+        PyMem_Free(op->views);
+        PyMem_Free(op->iov);
+        PyMem_Free(op);
+        return NULL;
+    }
+    op->fd = fd;
+    op->token = token;
+    op->kind = kind;
+    return op;
+}
+
+PyDoc_STRVAR(Mover_send_doc,
+"send(fd, buffers, token) -> (status, done, 0)\n\n"
+"Write every buffer in order to the non-blocking socket fd. status 0: all was\n"
+"written here; 1: the rest is the thread's, and (token, status, done, lowat)\n"
+"comes from completions() when it ends. Raises OSError on a socket error.\n"
+"token must be non-zero and unique among this Mover's active operations.");
+
+static PyObject *Mover_send(Mover *m, PyObject *args) {
+    int fd;
+    PyObject *bufs;
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "iOK:send", &fd, &bufs, &token)) return NULL;
+    if (check_open(m) < 0) return NULL;
+    if (token == 0) {
+        PyErr_SetString(PyExc_ValueError, "token 0 is reserved");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(bufs, "buffers must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > INT32_MAX) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_OverflowError, "too many buffers");
+        return NULL;
+    }
+    Op *op = new_op(fd, token, OP_SEND, (int)n);
+    if (op == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &op->views[i], PyBUF_SIMPLE) < 0) {
+            Py_DECREF(seq);
+            free_op(op);
+            return NULL;
+        }
+        op->nviews++;
+        op->iov[i].iov_base = op->views[i].buf;
+        op->iov[i].iov_len = (size_t)op->views[i].len;
+        op->total += op->views[i].len;
+    }
+    Py_DECREF(seq);
+    op->niov = (int)n;
+    while (op->iov_i < op->niov && op->iov[op->iov_i].iov_len == 0) op->iov_i++;
+    return start_op(m, op);
+}
+
+PyDoc_STRVAR(Mover_recv_doc,
+"recv(fd, buffer, token, lowat, lowat_cap) -> (status, done, lowat)\n\n"
+"Fill the writable buffer from the non-blocking socket fd. lowat is the socket's\n"
+"SO_RCVLOWAT as last set; while waiting the thread sets it to what is still\n"
+"wanted, at most lowat_cap (only when it changes), and the value last set is\n"
+"returned here and in completions(). status 0: filled here; -1: the peer closed\n"
+"first; 1: pending, as for send().");
+
+static PyObject *Mover_recv(Mover *m, PyObject *args) {
+    int fd, lowat, cap;
+    PyObject *buf;
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "iOKii:recv", &fd, &buf, &token, &lowat, &cap)) return NULL;
+    if (check_open(m) < 0) return NULL;
+    if (token == 0) {
+        PyErr_SetString(PyExc_ValueError, "token 0 is reserved");
+        return NULL;
+    }
+    if (cap < 1) {
+        PyErr_SetString(PyExc_ValueError, "lowat_cap must be positive");
+        return NULL;
+    }
+    Op *op = new_op(fd, token, OP_RECV, 1);
+    if (op == NULL) return PyErr_NoMemory();
+    if (PyObject_GetBuffer(buf, &op->views[0], PyBUF_WRITABLE) < 0) {
+        free_op(op);
+        return NULL;
+    }
+    op->nviews = 1;
+    op->total = op->views[0].len;
+    op->lowat = lowat;
+    op->lowat_cap = cap;
+    return start_op(m, op);
+}
+
+/* Take an active operation back (GIL released while waiting for the thread).
+ * Returns it unlinked and disarmed, or NULL if it is not active. */
+static Op *take(Mover *m, unsigned long long token) {
+    Op *op;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->mu);
+    op = find_active(m, token);
+    if (op) {
+        op->cancelled = 1;
+        while (op->busy) pthread_cond_wait(&m->idle, &m->mu);
+        disarm(m, op);
+        unlink_active(m, op);
+    }
+    pthread_mutex_unlock(&m->mu);
+    Py_END_ALLOW_THREADS
+    return op;
+}
+
+PyDoc_STRVAR(Mover_cancel_doc,
+"cancel(token) -> (done, lowat) or None\n\n"
+"Stop an active operation: once this returns, the thread neither reads into nor\n"
+"writes from its buffers again, and no completion will come for it. None if it\n"
+"is not active (it finished, and its completion is queued or was collected).");
+
+static PyObject *Mover_cancel(Mover *m, PyObject *args) {
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "K:cancel", &token)) return NULL;
+    if (!m->running) Py_RETURN_NONE;
+    Op *op = take(m, token);
+    if (op == NULL) Py_RETURN_NONE;
+    PyObject *r = Py_BuildValue("(nI)", op->done, (unsigned)op->lowat);
+    free_op(op);
+    return r;
+}
+
+PyDoc_STRVAR(Mover_cancel_fd_doc,
+"cancel_fd(fd) -> [token, ...]\n\n"
+"cancel() every active operation on fd (call it before closing the socket);\n"
+"returns their tokens.");
+
+static PyObject *Mover_cancel_fd(Mover *m, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i:cancel_fd", &fd)) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL || !m->running) return out;
+    for (;;) {
+        unsigned long long token = 0;
+        pthread_mutex_lock(&m->mu);
+        for (Op *op = m->active; op; op = op->next)
+            if (op->fd == fd) {
+                token = op->token;
+                break;
+            }
+        pthread_mutex_unlock(&m->mu);
+        if (token == 0) break;
+        Op *op = take(m, token);
+        if (op == NULL) continue;
+        free_op(op);
+        PyObject *t = PyLong_FromUnsignedLongLong(token);
+        if (t == NULL || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(Mover_completions_doc,
+"completions() -> [(token, status, done, lowat), ...]\n\n"
+"The operations the thread finished since the last call, in order, and reset\n"
+"fileno()'s readiness.");
+
+static PyObject *Mover_completions(Mover *m, PyObject *Py_UNUSED(ignored)) {
+    Op *head;
+    PyObject *out = PyList_New(0);
+    if (out == NULL || !m->running) return out;
+    pthread_mutex_lock(&m->mu);
+    uint64_t count;
+    ssize_t r = read(m->done_efd, &count, sizeof count); /* reset, under mu: see mover_main */
+    (void)r;
+    head = m->done_head;
+    m->done_head = m->done_tail = NULL;
+    pthread_mutex_unlock(&m->mu);
+    int failed = 0;
+    while (head) {
+        Op *op = head;
+        head = op->next;
+        if (!failed) {
+            PyObject *t = Py_BuildValue("(KinI)", op->token, op->status, op->done, (unsigned)op->lowat);
+            if (t == NULL || PyList_Append(out, t) < 0) failed = 1;
+            Py_XDECREF(t);
+        }
+        free_op(op);
+    }
+    if (failed) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *Mover_fileno(Mover *m, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(m) < 0) return NULL;
+    return PyLong_FromLong(m->done_efd);
+}
+
+static void mover_close(Mover *m) {
+    if (m->running) {
+        uint64_t one = 1;
+        ssize_t w = write(m->stop_efd, &one, sizeof one);
+        (void)w;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(m->thread, NULL);
+        Py_END_ALLOW_THREADS
+        m->running = 0;
+        while (m->active) {
+            Op *op = m->active;
+            unlink_active(m, op);
+            disarm(m, op);
+            free_op(op);
+        }
+        while (m->done_head) {
+            Op *op = m->done_head;
+            m->done_head = op->next;
+            free_op(op);
+        }
+        m->done_tail = NULL;
+        pthread_mutex_destroy(&m->mu);
+        pthread_cond_destroy(&m->idle);
+    }
+    if (m->epfd >= 0) close(m->epfd);
+    if (m->done_efd >= 0) close(m->done_efd);
+    if (m->stop_efd >= 0) close(m->stop_efd);
+    m->epfd = m->done_efd = m->stop_efd = -1;
+}
+
+PyDoc_STRVAR(Mover_close_doc,
+"close()\n\n"
+"Stop the thread and drop every operation (no completions for them). Idempotent.");
+
+static PyObject *Mover_close(Mover *m, PyObject *Py_UNUSED(ignored)) {
+    mover_close(m);
+    Py_RETURN_NONE;
+}
+
+static void Mover_dealloc(Mover *m) {
+    mover_close(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyMethodDef Mover_methods[] = {
+    {"send", (PyCFunction)Mover_send, METH_VARARGS, Mover_send_doc},
+    {"recv", (PyCFunction)Mover_recv, METH_VARARGS, Mover_recv_doc},
+    {"cancel", (PyCFunction)Mover_cancel, METH_VARARGS, Mover_cancel_doc},
+    {"cancel_fd", (PyCFunction)Mover_cancel_fd, METH_VARARGS, Mover_cancel_fd_doc},
+    {"completions", (PyCFunction)Mover_completions, METH_NOARGS, Mover_completions_doc},
+    {"fileno", (PyCFunction)Mover_fileno, METH_NOARGS, "The eventfd that is readable while completions wait."},
+    {"close", (PyCFunction)Mover_close, METH_NOARGS, Mover_close_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MoverType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pddnet.transport.wan._mover.Mover",
+    .tp_doc = PyDoc_STR("System calls of socket reads and writes on a native thread (see the module)."),
+    .tp_basicsize = sizeof(Mover),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Mover_new,
+    .tp_init = (initproc)Mover_init,
+    .tp_dealloc = (destructor)Mover_dealloc,
+    .tp_methods = Mover_methods,
+};
+
+static struct PyModuleDef mover_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pddnet.transport.wan._mover",
+    .m_doc = PyDoc_STR("The WAN data path's socket system calls on a native thread."),
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__mover(void) {
+    if (PyType_Ready(&MoverType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&mover_module);
+    if (mod == NULL) return NULL;
+    Py_INCREF(&MoverType);
+    if (PyModule_AddObject(mod, "Mover", (PyObject *)&MoverType) < 0) {
+        Py_DECREF(&MoverType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(mod, "PENDING", K_PENDING) < 0 ||
+        PyModule_AddIntConstant(mod, "DONE", K_DONE) < 0 ||
+        PyModule_AddIntConstant(mod, "EOF", K_EOF) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}
