@@ -211,13 +211,10 @@ class _Pump:
     def kick(self) -> None:
         """Wake the reader if input arrived behind the edge a send consumed
         (a send that failed included)."""
-        if self.wait_scope is None:
-            return
-        try:
-            events = typing.cast(int, self.sock.getsockopt(_EVENTS))
-        except zmq.ZMQError:  # the socket is going away (a closing context): nothing to read
-            return
-        if events & _POLLIN:
+        if (
+            self.wait_scope is not None
+            and typing.cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN
+        ):
             self.wait_scope.cancel()
 
 
