@@ -17,10 +17,12 @@ import time
 
 import pytest
 import trio
+import xxhash
 
 from pddnet.transport.wan import _io, native_path
 from pddnet.transport.wan._acceptor import WritePermit
 from pddnet.transport.wan._io import EndOfStream, LowWater, Revoked, close, recv_exact, send_all
+from pddnet.wire import ChecksumAlgo
 
 _mover = pytest.importorskip("pddnet.transport.wan._mover")
 pytestmark = pytest.mark.skipif(not _io.K_NATIVE, reason="PDDNET_NATIVE=0")
@@ -178,6 +180,44 @@ def test_mover_rules() -> None:
     m.close()
     with pytest.raises(ValueError):
         m.send(a.fileno(), [b"x"], 4)
+    a.close()
+    b.close()
+
+
+async def test_digest_follows_the_bytes_through_the_thread() -> None:
+    """A receive's XXH3 digest is updated on the thread as the bytes are read (in
+    pieces, across calls), and equals python-xxhash's of the whole."""
+    assert _io.K_NATIVE_XXH3
+    a, b = _pair(rcvbuf=64 << 10)
+    want = os.urandom(6 << 20)
+    got = bytearray(len(want))
+    digest = _io.Digest(ChecksumAlgo.XXH3_64)
+    assert digest.native is not None
+    lowat = LowWater(b)
+    async with trio.open_nursery() as n:
+        n.start_soon(send_all, a, [memoryview(want)])
+        with trio.fail_after(20):
+            for lo, hi in ((0, 1), (1, 3 << 20), (3 << 20, len(want))):
+                await recv_exact(b, memoryview(got)[lo:hi], lowat, None, digest)
+    assert got == want
+    assert digest.value() == xxhash.xxh3_64_intdigest(want)
+    a.close()
+    b.close()
+
+
+def test_a_digest_in_use_is_refused() -> None:
+    m = _mover.Mover()
+    a, b = _pair()
+    h = _mover.Xxh3()
+    assert m.recv(b.fileno(), bytearray(10), 1, 1, 1 << 18, h)[0] == _mover.PENDING
+    with pytest.raises(RuntimeError):
+        h.update(b"x")
+    with pytest.raises(RuntimeError):
+        m.recv(a.fileno(), bytearray(10), 2, 1, 1 << 18, h)
+    m.cancel(1)
+    h.update(b"x")
+    assert h.intdigest() == xxhash.xxh3_64_intdigest(b"x")
+    m.close()
     a.close()
     b.close()
 

@@ -39,6 +39,7 @@ loop's guarantees:
 from __future__ import annotations
 
 import errno
+import importlib
 import itertools
 import os
 import socket
@@ -123,7 +124,11 @@ class LowWater:
 
 
 async def recv_exact(
-    sock: socket.socket, mv: memoryview, lowat: LowWater, permit: Permit | None = None
+    sock: socket.socket,
+    mv: memoryview,
+    lowat: LowWater,
+    permit: Permit | None = None,
+    digest: Digest | None = None,
 ) -> None:
     """Fill ``mv`` from ``sock`` (``recv_into`` straight into it).
 
@@ -131,6 +136,8 @@ async def recv_exact(
         lowat: ``sock``'s low-water mark (see :class:`LowWater`).
         permit: checked right before every ``recv_into`` (no await between):
             once ``permit.live`` is false, nothing more is read into ``mv``.
+        digest: updated with the bytes as they are read, while still in cache
+            (on a revoke or an error it holds part of them).
 
     Raises:
         EndOfStream: if the peer closes first.
@@ -140,10 +147,12 @@ async def recv_exact(
     await trio.lowlevel.checkpoint_if_cancelled()
     if isinstance(sock, ssl.SSLSocket):
         await _recv_exact_tls(sock, mv, lowat, permit)
+        if digest is not None:
+            digest.update(mv)
         return
     native = _native_io()
     if native is not None:
-        await native.recv_exact(sock.fileno(), mv, lowat, permit)
+        await native.recv_exact(sock.fileno(), mv, lowat, permit, digest)
         return
     got, n = 0, len(mv)
     while got < n:
@@ -156,6 +165,8 @@ async def recv_exact(
         else:
             if not k:
                 raise EndOfStream
+            if digest is not None:
+                digest.update(mv[got : got + k])
             got += k
             if got == n:
                 break
@@ -383,9 +394,15 @@ class _NativeIO:
                 raise OSError(status, f"send: {os.strerror(status)}")
 
     async def recv_exact(
-        self, fd: int, mv: memoryview, lowat: LowWater, permit: Permit | None
+        self,
+        fd: int,
+        mv: memoryview,
+        lowat: LowWater,
+        permit: Permit | None,
+        digest: Digest | None,
     ) -> None:
-        """Fill ``mv`` (the caller has checkpointed); ``lowat`` follows the socket.
+        """Fill ``mv`` (the caller has checkpointed); ``lowat`` follows the socket,
+        ``digest`` the bytes (on the thread if it is native, else after the read).
 
         Raises:
             EndOfStream: if the peer closes first.
@@ -395,7 +412,8 @@ class _NativeIO:
         if permit is not None and not permit.live:
             raise Revoked(0)
         token = next(self._tokens)
-        status, _, lowat.value = self._mover.recv(fd, mv, token, lowat.value, K_RCVLOWAT)
+        native = None if digest is None else digest.native
+        status, _, lowat.value = self._mover.recv(fd, mv, token, lowat.value, K_RCVLOWAT, native)
         if status == _mover.PENDING:
             if permit is not None:
                 permit.watch(token, lambda: self._revoke(token, lowat))
@@ -408,6 +426,8 @@ class _NativeIO:
             raise EndOfStream
         if status:
             raise OSError(status, f"recv: {os.strerror(status)}")
+        if digest is not None and native is None:
+            digest.update(mv)
 
     def _revoke(self, token: int, lowat: LowWater) -> None:
         taken = self._mover.cancel(token)
@@ -458,15 +478,40 @@ def _forget(fd: int) -> None:
     io.forget(fd)
 
 
+def _bind_xxh3() -> bool:
+    """Whether the mover can hash XXH3 itself (python-xxhash's own functions)."""
+    if not K_NATIVE:
+        return False
+    try:
+        path = importlib.import_module("xxhash._xxhash").__file__
+    except ImportError:
+        return False
+    return path is not None and bool(_mover.bind_xxh3(path))
+
+
+K_NATIVE_XXH3 = _bind_xxh3()
+
+
 class Digest:
-    """Incremental payload checksum, equal to :func:`pddnet.wire.checksum` of the whole."""
+    """Incremental payload checksum, equal to :func:`pddnet.wire.checksum` of the whole.
+
+    With the native mover, an XXH3 digest is the mover's ``Xxh3`` (python-xxhash's
+    code), which :func:`recv_exact` lets the mover's thread update as it reads.
+    """
 
     __slots__ = ("_algo", "_crc", "_h")
 
     def __init__(self, algo: ChecksumAlgo) -> None:
         self._algo = algo
         self._crc = 0
-        self._h = xxhash.xxh3_64() if algo == ChecksumAlgo.XXH3_64 else None
+        self._h: Any = None
+        if algo == ChecksumAlgo.XXH3_64:
+            self._h = _mover.Xxh3() if K_NATIVE_XXH3 else xxhash.xxh3_64()
+
+    @property
+    def native(self) -> Any:
+        """The mover's ``Xxh3`` behind this digest, or None."""
+        return self._h if K_NATIVE_XXH3 else None
 
     def update(self, data: memoryview) -> None:
         if self._h is not None:

@@ -784,8 +784,7 @@ class WanReceiver(Receiver):
                     with trio.move_on_at(body_by) as scope:
                         for b, o, n in decision.pieces:
                             dst = views[b][o : o + n]
-                            await recv_exact(sock, dst, lowat, decision.permit)
-                            digest.update(dst)
+                            await recv_exact(sock, dst, lowat, decision.permit, digest)
                             left -= n
                     if scope.cancelled_caught:
                         raise self._slow_body(header, body_by)
