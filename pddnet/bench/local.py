@@ -77,7 +77,9 @@ the protocol's own cost). Both are timed from ``start`` until the sender's
 ``wait`` returns (the receiver's DONE). ``layerwise_overhead_32`` and
 ``_80`` (cross-host, the ``xhost`` setting; ``..._sm`` same host) are the
 median over pairs of layer-by-layer time / whole time; ``layerwise_us`` holds
-the medians. ``--only layerwise`` runs it alone.
+the medians, and the sender's CPU time per request of each kind (its
+``time.process_time``: over a veth the sender's CPU is what bounds it, and it
+moves less than the wall time). ``--only layerwise`` runs it alone.
 
 **The 16 MiB ratios are paired.** On this kind of machine one process pair's
 16 MiB time moves by a third from run to run (856-1503 µs over 12 runs of
@@ -318,8 +320,10 @@ async def client():
             views = p.host_views()
             gs = [Grant(t, n, tuple(e), a) for t, n, e, a in inp()]
             lat = {"whole": [], "layerwise": []}
+            cpu = {"whole": [], "layerwise": []}  # the sender's CPU per request
             for i, g in enumerate(gs):  # alternating: one whole request, one layer by layer
                 layerwise = i % 2 == 1
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 t = tx.start(g, views, r, ready=not layerwise)
                 if layerwise:
@@ -329,10 +333,12 @@ async def client():
                 await t.wait()
                 if i >= 2:
                     lat["layerwise" if layerwise else "whole"].append(time.perf_counter() - t0)
+                    cpu["layerwise" if layerwise else "whole"].append(time.process_time() - c0)
             w, l = np.array(lat["whole"]), np.array(lat["layerwise"])
             out({"size": layers, "median_s": float(np.median(l)), "whole_median_s":
                  float(np.median(w)), "overhead": float(np.median(l / w)), "n": len(l),
-                 "bytes": g.total})
+                 "bytes": g.total, "cpu_s": float(np.median(cpu["layerwise"])),
+                 "whole_cpu_s": float(np.median(cpu["whole"]))})
 try:
     trio.run(server if role == "server" else client)
 except BaseException:
@@ -722,7 +728,9 @@ def layerwise_summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     ``layerwise_overhead_L`` (cross-host) and ``layerwise_overhead_L_sm``
     (same host) are the median over alternating pairs of (layer-by-layer
     time / whole-request time), None where the mode did not run;
-    ``layerwise_us`` holds each mode's medians.
+    ``layerwise_us`` holds each mode's medians, with the sender's CPU time
+    per request (``layerwise_cpu_us``, ``whole_cpu_us``) where the child
+    reported it.
     """
     out: dict[str, Any] = {}
     detail: dict[str, dict[str, dict[str, float]]] = {}
@@ -739,6 +747,9 @@ def layerwise_summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any
                     "mib": r["bytes"] / (1 << 20),
                     "pairs": r["n"],
                 }
+                if "cpu_s" in r:  # the sender's CPU per request (time.process_time)
+                    detail[mode][str(layers)]["layerwise_cpu_us"] = r["cpu_s"] * 1e6
+                    detail[mode][str(layers)]["whole_cpu_us"] = r["whole_cpu_s"] * 1e6
     out["layerwise_us"] = detail
     return out
 

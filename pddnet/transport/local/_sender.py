@@ -130,7 +130,7 @@ class UcxSender(Sender):
         self._joiner = Joiner(
             svc, self._session, peer_address, error_handling, self._queue.on_reply
         )
-        self._lens_cache: dict[str, tuple[Any, Any, list[int]]] = {}
+        self._lens_cache: dict[str, tuple[Any, list[int], list[int]]] = {}
 
     @property
     def secret(self) -> bytes | None:
@@ -267,9 +267,7 @@ class UcxSender(Sender):
         if src_len == length_list:  # the usual case: one source range per piece
             sources = [[(b, o, n)] for b, o, n in zip(bufs, offs, length_list, strict=True)]
         else:
-            sources = [
-                ranges.pieces(int(bounds[i]), int(bounds[i + 1])) for i in range(lengths.size)
-            ]
+            sources = [ranges.pieces(bounds[i], bounds[i + 1]) for i in range(lengths.size)]
         t = UcxTransfer(q, grant, sources, bounds, mvs, priority, progress)
         t.started = early
         q.add(t, timeout)
@@ -281,7 +279,7 @@ class UcxSender(Sender):
             q.start(t)
         return t
 
-    def _piece_list(self, lens: str, total: int) -> tuple[Any, Any, list[int]]:
+    def _piece_list(self, lens: str, total: int) -> tuple[Any, list[int], list[int]]:
         """A grant's piece lengths, their logical bounds, and the lengths as a list.
 
         Grants of the same shape repeat (one per request and layer), so the
@@ -292,7 +290,7 @@ class UcxSender(Sender):
             lengths = np.frombuffer(unb64(lens), "<i8").astype(np.int64)
             if (lengths <= 0).any():
                 raise LocalProtocolError("the grant's piece list has empty pieces")
-            bounds = np.concatenate(([0], np.cumsum(lengths)))
+            bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
             hit = (lengths, bounds, lengths.tolist())
             if len(self._lens_cache) >= K_LENS_CACHE:
                 self._lens_cache.clear()

@@ -12,10 +12,20 @@ nothing is ready yet); a small transfer all ready at start goes inside it
 :class:`SendQueue` holds the transfers and posts ready pieces to UCX, highest
 priority and fewest remaining bytes first, at most ``max_inflight`` at once.
 UCX cannot cancel a send: one in flight keeps its slot until it completes.
+
+**Layer by layer.** A mark (:meth:`UcxTransfer.mark_ready`) that finds no
+piece in flight posts its pieces at once. One that comes while others are in
+flight queues them for the worker's next round (:meth:`UcxWorker.soon
+<pddnet.transport.local.UcxWorker.soon>`, within one send tick), which posts
+every piece marked since, before it progresses: the layers' RTS leave
+together, ahead of the data that round pushes, and their RTRs come back
+together, instead of a wake-up, a round and a push per mark (measured:
+docs/local.md, *Layer by layer*).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
 from typing import Any
 
@@ -50,7 +60,7 @@ class UcxTransfer(Transfer):
         queue: SendQueue,
         grant: Grant,
         sources: list[list[tuple[int, int, int]]],
-        bounds: Any,
+        bounds: list[int],
         mvs: list[Any],
         priority: int,
         progress: ProgressCallback | None,
@@ -67,7 +77,7 @@ class UcxTransfer(Transfer):
         self._error: PddnetError | None = None
         self._done = trio.Event()
         self._ready: deque[int] = deque()
-        self._queued = np.zeros(len(sources), bool)
+        self._queued = bytearray(len(sources))  # piece i queued (until _all_queued)
         self._from = IntervalSet()
         self._all_queued = False
         self.started = False  # START sent
@@ -94,19 +104,21 @@ class UcxTransfer(Transfer):
         if lo == 0 and hi == self.grant.total and not self._ready and not self._from:
             # the whole grant at once (the usual ``ready=True``): no interval work
             self._all_queued = True
-            self._queued[:] = True
             self._ready.extend(range(len(self._sources)))
             self._owner.pump()
             return
-        self._from.add(lo, hi)
-        b = self._bounds
-        first = max(int(np.searchsorted(b, lo, side="right")) - 1, 0)
-        last = min(int(np.searchsorted(b, hi, side="left")), len(self._sources))
+        ready, queued, b = self._from, self._queued, self._bounds
+        ready.add(lo, hi)
+        first = max(bisect_right(b, lo) - 1, 0)
+        last = min(bisect_left(b, hi), len(self._sources))
         for i in range(first, last):
-            if not self._queued[i] and self._from.covers(int(b[i]), int(b[i + 1])):
-                self._queued[i] = True
+            if not queued[i] and ready.covers(b[i], b[i + 1]):
+                queued[i] = 1
                 self._ready.append(i)
-        self._owner.pump()
+        if self._owner.inflight:  # posted in the worker's next round, with later marks
+            self._owner.pump_soon()
+        else:
+            self._owner.pump()
 
     def mark_layer_ready(self, layer: int) -> None:
         """Declare one layer of the grant ready."""
@@ -142,6 +154,7 @@ class SendQueue:
         self.inflight = 0
         self.bytes = self.staged = self.pieces = self.ok = self.inline = 0
         self._resume_pending = False
+        self._pump_soon = False  # a pump waits for the worker's next round
 
     def new_queue(self) -> int:
         """A completion queue for one transfer's sends."""
@@ -180,7 +193,6 @@ class SendQueue:
     def sent_inline(self, t: UcxTransfer) -> None:
         """Account for a transfer whose DATA message left (:meth:`send_data`)."""
         t.started = t._all_queued = True
-        t._queued[:] = True
         t.remaining = 0
         self.inline += 1
         self.pieces += len(t._sources) - 1  # _account counts one
@@ -236,6 +248,17 @@ class SendQueue:
             slot.append(h)
             t._inflight[h] = n
             self.inflight += 1
+
+    def pump_soon(self) -> None:
+        """Post ready pieces at the start of the worker's next round (see
+        :meth:`UcxWorker.soon <pddnet.transport.local.UcxWorker.soon>`)."""
+        if not self._pump_soon:
+            self._pump_soon = True
+            self._svc.worker.soon(self._pump_now)
+
+    def _pump_now(self) -> None:
+        self._pump_soon = False
+        self.pump()
 
     async def _resume_pump(self) -> None:
         await trio.lowlevel.checkpoint()

@@ -20,7 +20,12 @@ readable when a transport has an event. Two refinements:
   sends waited for the fallback tick: a 720-piece KV transfer took 22 s
   instead of 0.1 s;
 * **fallback tick**: even when armed, the task progresses every
-  ``K_FALLBACK_S`` (ucx-py found that some transports can miss a wake-up).
+  ``K_FALLBACK_S`` (ucx-py found that some transports can miss a wake-up);
+* **work for the next round** (:meth:`soon`): what can wait for the task's
+  next round (a layer's sends while others are in flight) runs at its start,
+  before it progresses, without a wake-up of its own; a sleep is cut to
+  ``K_SEND_TICK_S`` at most. Marks that come between two rounds then leave
+  together (docs/local.md, *Layer by layer*).
 
 **Low-latency mode** (opt-in, :meth:`poll`): a task waiting for a small
 transfer busy-polls the worker itself for a bounded budget, running the
@@ -234,6 +239,7 @@ class UcxWorker:
         self._dirty = False
         self._after: list[Callable[[], None]] = []
         self._deferred: list[Callable[[], None]] = []
+        self._soon: list[Callable[[], None]] = []
         self._next = 0
         self._spinners = 0
         self._sends = 0
@@ -514,11 +520,13 @@ class UcxWorker:
             # epoll_ctl), so only when it has work an incoming event would not
             # start: sends in flight (UCX signals no send completion) or answers
             # not yet sent. Deferred reposts wait for the next event or poll.
-            if self._sends or self._after:
+            if self._sends or self._after or self._soon:
                 self.wake()
 
     def _poll(self, worker: Any, done: Callable[[], bool], end: float) -> bool:
         while not self.halted:
+            if self._soon:
+                self._run_soon()
             made = False
             for _ in range(K_PROGRESS_BATCH):
                 if not worker.progress_once():
@@ -574,6 +582,34 @@ class UcxWorker:
         if not self.polling:
             self.wake()
 
+    def soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at the start of the progress task's next round, before it
+        progresses, within :data:`K_SEND_TICK_S`.
+
+        The task is not woken for it: a round that comes anyway (an event, a
+        send tick) runs it, and a longer sleep is cut to ``K_SEND_TICK_S``.
+        A poll (:meth:`poll`) runs it too, in its next round. When it posted
+        requests, the task yields to trio once before progressing, so that
+        what the tasks it let run queue meanwhile leaves in the same round.
+        Lets callers batch what would each wake the task (a layer's sends:
+        its marks come one by one, and the sends posted in one round leave
+        together, their RTS ahead of the data that round pushes).
+        """
+        self._soon.append(fn)
+        sleep = self._sleep
+        if sleep is not None:
+            deadline = trio.current_time() + K_SEND_TICK_S
+            if deadline < sleep.deadline:
+                sleep.deadline = deadline
+
+    def _run_soon(self) -> bool:
+        """Run the work for this round; whether it posted requests."""
+        before = self._next
+        fns, self._soon = self._soon, []
+        for fn in fns:
+            fn()
+        return self._next != before
+
     def wake(self) -> None:
         """Make the progress task run a round now instead of sleeping on epoll."""
         self._dirty = True
@@ -605,6 +641,13 @@ class UcxWorker:
             if self.pollers:  # a waiting task progresses this worker (UcxService.wait_small)
                 await trio.lowlevel.checkpoint()
                 continue
+            if self._soon and self._run_soon():
+                # Sends posted for this round: let the tasks that queued them
+                # run once more first (a marker's next layer), so what they
+                # add leaves in this round too. Bounded: once max_inflight
+                # pieces are posted, a pump posts nothing and the round goes on.
+                await trio.lowlevel.checkpoint()
+                continue
             made = False
             for _ in range(K_PROGRESS_BATCH):  # bounded: trio's other tasks must run
                 if not worker.progress_once():
@@ -630,7 +673,7 @@ class UcxWorker:
                 # now, not after the next transfer's data (measured: a receiver
                 # learned of a 16 MiB transfer 3 ms after its DONE had left).
                 await trio.lowlevel.checkpoint()
-            if self._dirty or self._deferred:  # new requests (maybe complete already), work to run
+            if self._dirty or self._deferred or self._soon:  # new requests, work to run
                 busy += 1
                 if busy % K_ARM_RETRIES == 0:
                     await trio.lowlevel.checkpoint()
@@ -675,6 +718,7 @@ class UcxWorker:
         self.closed = True
         self._deferred.clear()
         self._after.clear()
+        self._soon.clear()
         self._pending.clear()
         self._queues.clear()
         self._spinners = self._sends = 0
