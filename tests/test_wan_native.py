@@ -222,6 +222,38 @@ def test_a_digest_in_use_is_refused() -> None:
     b.close()
 
 
+def test_a_forked_child_drops_the_parents_mover() -> None:
+    """A child forked while a Mover runs has no thread of it: the inherited Mover
+    refuses work and closes without waiting for the parent's thread, and a new
+    Mover works there."""
+    m = _mover.Mover()
+    _, b = held = _pair()
+    a2, b2 = _pair()
+    m.recv(b.fileno(), bytearray(10), 1, 1, 1 << 18)
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+            try:
+                m.send(a2.fileno(), [b"x"], 2)
+            except ValueError:
+                m.close()
+                fresh = _mover.Mover()
+                assert fresh.send(a2.fileno(), [b"ok"], 1)[0] == _mover.DONE
+                fresh.close()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    time.sleep(0.05)
+    assert b2.recv(10) == b"ok"
+    assert m.cancel(1) is not None  # the parent's operation is still its own
+    m.close()
+    for s in (*held, a2, b2):
+        s.close()
+
+
 def test_buffers_are_held_while_the_thread_uses_them() -> None:
     """A buffer under a pending operation cannot be resized or released away
     from under the thread (the mover holds a buffer export until it is done)."""

@@ -100,6 +100,7 @@ typedef struct {
     pthread_cond_t idle; /* broadcast when a cancelled operation stops being busy */
     int epfd, done_efd, stop_efd;
     pthread_t thread;
+    pid_t pid; /* the process that started the thread (a forked child has none) */
     int running;
     Op *active;              /* doubly linked */
     Op *done_head, *done_tail; /* finished, not yet collected */
@@ -313,6 +314,7 @@ static int Mover_init(Mover *m, PyObject *args, PyObject *kwds) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    m->pid = getpid();
     m->running = 1;
     return 0;
 }
@@ -325,7 +327,7 @@ static PyObject *Mover_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static int check_open(Mover *m) {
-    if (!m->running) {
+    if (!m->running || m->pid != getpid()) {
         PyErr_SetString(PyExc_ValueError, "the Mover is closed");
         return -1;
     }
@@ -590,6 +592,12 @@ static PyObject *Mover_fileno(Mover *m, PyObject *Py_UNUSED(ignored)) {
 }
 
 static void mover_close(Mover *m) {
+    if (m->running && m->pid != getpid()) {
+        /* a forked child: the thread, its operations and the buffers they held are
+         * the parent's; drop only the descriptors */
+        m->running = 0;
+        m->active = m->done_head = m->done_tail = NULL;
+    }
     if (m->running) {
         uint64_t one = 1;
         ssize_t w = write(m->stop_efd, &one, sizeof one);
