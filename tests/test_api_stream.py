@@ -112,6 +112,40 @@ def test_a_source_holding_the_missing_position_keeps_the_stream_alive() -> None:
     assert asm.phase is StreamPhase.OPEN  # RLD holds 1 and re-sends it
 
 
+def test_re_sends_that_never_arrive_fail_the_stream_as_peer_unavailable() -> None:
+    """A decoder that says, round after round, that it holds the next position
+    while nothing arrives (its re-sends are lost on the way) fails the stream
+    after max_failed_rounds such rounds, not only at the deadline; tokens that
+    do arrive, even late, keep it alive."""
+    asm = StreamAssembler(7, 0.0, deadline=60.0, poll_interval_s=1.0, max_failed_rounds=3)
+    asm.add_sources(["md"])
+    feed(asm, [0, 1, 2, 3])
+    held = {"md": StreamReport(SourceState.ACTIVE, 0, 5)}
+    for _ in range(3):  # the first round asks; two more find nothing came
+        now = asm.next_timer()
+        assert asm.poll(now)
+        asm.round_result(held, now)
+        assert asm.phase is StreamPhase.OPEN
+    now = asm.next_timer()
+    assert now < 10.0
+    assert asm.poll(now)
+    asm.round_result(held, now)
+    assert asm.phase is StreamPhase.FAILED
+    assert isinstance(asm.error, PeerUnavailable)
+    assert asm.error.peer == "md" and "holds position 4" in str(asm.error)
+
+    late = StreamAssembler(8, 0.0, deadline=60.0, poll_interval_s=1.0, max_failed_rounds=3)
+    late.add_sources(["md"])
+    feed(late, [0, 1, 2, 3])
+    for pos in (4, 5):  # each re-send arrives after the answer, before the next round
+        for _ in range(2):
+            now = late.next_timer()
+            assert late.poll(now)
+            late.round_result(held, now)
+        late.receive(pos, TOKENS[pos], pos == 5, "md", now + 0.5)
+    assert late.phase is StreamPhase.FINISHED
+
+
 def test_a_failed_source_or_an_abort_fails_the_stream_as_request_aborted() -> None:
     asm = StreamAssembler(1, 0.0)
     asm.add_sources(["md"])

@@ -16,7 +16,11 @@ stream. A round is *healthy* if some decoder is still serving the request
 decoder (named by the sink's owner, or seen in a token) only its deadline
 can end it. After ``max_failed_rounds``
 unhealthy rounds in a row (the serving decoder died, or restarted and forgot
-the request) the stream fails with :class:`~pddnet.PeerUnavailable`; past its
+the request) the stream fails with :class:`~pddnet.PeerUnavailable`; so it
+does after ``max_failed_rounds`` rounds in a row in which a decoder said it
+holds the next position, as it had said the round before, and nothing arrived
+in between (its re-sends are lost on the way: the stream would otherwise look
+healthy until its deadline); past its
 deadline it fails with :class:`~pddnet.TransferTimeout`; an ``Abort`` from a
 decoder fails it with :class:`~pddnet.RequestAborted`. A stream therefore
 always ends, complete or with a typed error.
@@ -124,6 +128,8 @@ class StreamAssembler:
         self.duplicates = 0
         self.rounds = 0
         self.failed_rounds = 0
+        self.unfulfilled_rounds = 0  # rounds in a row: the next position held, none arrived
+        self._held = False  # the last round's answers: someone holds the next position
         self._pending: dict[int, tuple[int, str]] = {}  # position -> (token, source)
         self._progress_at = now  # last time ``next`` advanced (or the stream opened)
         self._gap_since: float | None = None
@@ -179,7 +185,8 @@ class StreamAssembler:
             self.next += 1
         if out:
             self._progress_at = now
-            self.failed_rounds = 0
+            self.failed_rounds = self.unfulfilled_rounds = 0
+            self._held = False
         if not self._pending:
             self._gap_since = None
         elif self._gap_since is None:
@@ -235,6 +242,26 @@ class StreamAssembler:
         stalled = self.next == self._round_next  # (answers are older than tokens since)
         self._takeover = self.next if stalled and self._relay_lost(reports) else None
         self.failed_rounds = 0 if healthy else self.failed_rounds + 1
+        holders = [
+            s
+            for s, rep in reports.items()
+            if rep is not None and rep.first <= self.next <= rep.last
+        ]
+        # the previous round's holders re-sent the next position then: nothing came
+        unfulfilled = stalled and bool(holders) and self._held
+        self._held = bool(holders)
+        self.unfulfilled_rounds = self.unfulfilled_rounds + 1 if unfulfilled else 0
+        if self.unfulfilled_rounds >= self.max_failed_rounds:
+            self._fail(
+                PeerUnavailable(
+                    f"{', '.join(holders)} holds position {self.next} but no re-send of it"
+                    f" arrived in {self.unfulfilled_rounds} rounds",
+                    peer=holders[0],
+                    request_id=self.request_id,
+                    state=self.phase,
+                )
+            )
+            return
         if self.failed_rounds >= self.max_failed_rounds:
             said = ", ".join(
                 f"{s}: {'no answer' if r is None else r.state.name}" for s, r in reports.items()
