@@ -153,6 +153,30 @@ async def test_close_wakes_a_waiting_read_and_write() -> None:
     pair_b[0].close()
 
 
+async def test_a_read_and_a_write_wait_on_one_socket_together() -> None:
+    """A receiver's connection task waits in a read while another task's frame
+    waits for room on the same socket: both complete (epoll registers the
+    socket once, so the second registers a duplicate descriptor)."""
+    a, b = _pair(rcvbuf=64 << 10)
+    out = os.urandom(8 << 20)  # far more than the socket buffers take
+    got = bytearray(1000)
+    back = bytearray(len(out))
+    async with trio.open_nursery() as n:
+        n.start_soon(recv_exact, b, memoryview(got), LowWater(b))
+        await trio.sleep(0.05)  # the read waits on the thread
+        n.start_soon(send_all, b, [memoryview(out)])
+        await trio.sleep(0.05)  # so does the write: a does not read yet
+        a.setblocking(True)
+        await trio.to_thread.run_sync(a.sendall, b"r" * 1000)
+        with trio.fail_after(10):
+            lo = 0
+            while lo < len(out):
+                lo += await trio.to_thread.run_sync(a.recv_into, memoryview(back)[lo:])
+    assert got == b"r" * 1000 and back == out
+    a.close()
+    b.close()
+
+
 def test_mover_rules() -> None:
     """The mover's own API: a reserved token, a closed mover, cancel of what is not
     active, and a completion delivered through its eventfd."""

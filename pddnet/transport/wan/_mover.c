@@ -24,8 +24,8 @@
  *   close().
  * - A socket must not be closed while an operation on it is active: call
  *   cancel_fd(fd) first (pddnet's close helper does).
- * - One operation per socket at a time (the socket is registered in the
- *   thread's epoll for the operation's direction only).
+ * - At most one operation per socket and direction at a time (a read and a
+ *   write may wait together: the second registers a duplicate descriptor).
  *
  * Status codes in completions(): 0 done, -1 end of stream (the peer closed
  * while a receive wanted more), or a positive errno.
@@ -43,6 +43,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -83,7 +84,8 @@ typedef struct Op {
     int kind;
     int busy;       /* the thread is in a system call on it (mu not held) */
     int cancelled;  /* cancel() is waiting for it, or has taken it */
-    int registered; /* fd is in the thread's epoll for this operation */
+    int registered; /* fd (or efd) is in the thread's epoll for this operation */
+    int efd;        /* a duplicate of fd registered instead, or -1 (see arm) */
     int status;     /* K_DONE, K_EOF or an errno, once finished */
     Py_ssize_t done, total;
     int lowat, lowat_cap; /* receive: SO_RCVLOWAT as last set, and its cap */
@@ -206,16 +208,33 @@ static int arm(Mover *m, Op *op) {
     memset(&ev, 0, sizeof ev);
     ev.events = (op->kind == OP_SEND ? EPOLLOUT : EPOLLIN) | EPOLLONESHOT;
     ev.data.u64 = op->token;
-    if (epoll_ctl(m->epfd, op->registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, op->fd, &ev) < 0)
-        return errno;
+    int fd = op->efd >= 0 ? op->efd : op->fd;
+    if (epoll_ctl(m->epfd, op->registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, fd, &ev) < 0) {
+        if (errno != EEXIST || op->registered) return errno;
+        /* An operation in the other direction (a receiver's read beside a frame
+         * it sends) has the socket registered: epoll keys a registration on the
+         * descriptor, so this one registers a duplicate of it. */
+        op->efd = fcntl(op->fd, F_DUPFD_CLOEXEC, 0);
+        if (op->efd < 0) return errno;
+        if (epoll_ctl(m->epfd, EPOLL_CTL_ADD, op->efd, &ev) < 0) {
+            int e = errno;
+            close(op->efd);
+            op->efd = -1;
+            return e;
+        }
+    }
     op->registered = 1;
     return 0;
 }
 
 static void disarm(Mover *m, Op *op) {
     if (op->registered) {
-        epoll_ctl(m->epfd, EPOLL_CTL_DEL, op->fd, NULL);
+        epoll_ctl(m->epfd, EPOLL_CTL_DEL, op->efd >= 0 ? op->efd : op->fd, NULL);
         op->registered = 0;
+    }
+    if (op->efd >= 0) {
+        close(op->efd);
+        op->efd = -1;
     }
 }
 
@@ -379,6 +398,7 @@ static Op *new_op(int fd, unsigned long long token, int kind, int nviews) {
         return NULL;
     }
     op->fd = fd;
+    op->efd = -1;
     op->token = token;
     op->kind = kind;
     return op;
