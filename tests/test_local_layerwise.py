@@ -6,10 +6,7 @@ without waiting for a later event."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,10 +14,9 @@ import pytest
 from pddnet._optional import available
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ucx_child import RUN_MAIN
+from ucx_child import RUN_MAIN, run_child
 
 UCX = available("ucxx._lib.libucxx")
-ENV = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 # A request of 32 layers (vLLM's K/V-major layout: 2 pieces of 128 KiB per
 # layer), sent alternately whole and layer by layer (a trio checkpoint between
@@ -102,18 +98,6 @@ async def main():
 )
 
 
-def _run(script: str) -> str:
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
-
-
 @pytest.mark.ucx
 @pytest.mark.skipif(not UCX, reason="ucxx is not installed")
 def test_layer_marks_do_not_each_cost_an_epoll_sleep() -> None:
@@ -121,7 +105,7 @@ def test_layer_marks_do_not_each_cost_an_epoll_sleep() -> None:
     whole request (measured here: median 5 against 5; before, each mark woke
     the progress task and its layer's RTRs came back alone: median 15 against
     6, one per two layers)."""
-    w = _run(SLEEPS).split()
+    w = run_child(SLEEPS).split()
     at, lw = w.index("WHOLE"), w.index("LAYERWISE")
     whole = sorted(int(x) for x in w[at + 1 : lw])
     layerwise = sorted(int(x) for x in w[lw + 1 :])
@@ -134,4 +118,4 @@ def test_layer_marks_do_not_each_cost_an_epoll_sleep() -> None:
 def test_marked_layers_leave_and_unmarked_ones_wait() -> None:
     """Marks queued for the sender's next round leave without a later mark or
     event; a layer never marked never arrives; the bytes match."""
-    assert "HELD OK" in _run(HELD)
+    assert "HELD OK" in run_child(HELD)

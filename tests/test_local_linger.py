@@ -3,10 +3,7 @@ both ends awake; an idle end goes back to sleep on epoll within the linger."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,10 +11,9 @@ import pytest
 from pddnet._optional import available
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ucx_child import RUN_MAIN
+from ucx_child import RUN_MAIN, run_child
 
 UCX = available("ucxx._lib.libucxx")
-ENV = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 BURST = (
     """
@@ -73,15 +69,8 @@ def test_back_to_back_small_transfers_do_not_sleep() -> None:
     once idle, each end sleeps again and burns little CPU; 20 transfers 3 ms
     apart do not linger (the sender polls a few rounds after the burst, not
     after each of them)."""
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(BURST)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=ENV,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    w = r.stdout.split()
+    out = run_child(BURST, timeout=60)
+    w = out.split()
     at = w.index("BURST")
     rx_burst, tx_burst, rx_idle, tx_idle = (
         int(w[at + 1]),
@@ -90,7 +79,7 @@ def test_back_to_back_small_transfers_do_not_sleep() -> None:
         int(w[at + 5]),
     )
     cpu = float(w[at + 7])
-    assert rx_burst <= 10 and tx_burst <= 10, r.stdout  # of 50 transfers
-    assert rx_idle >= 1 and tx_idle >= 1, r.stdout  # asleep again once idle
-    assert cpu < 0.03, r.stdout  # 100 ms idle: the linger (200 µs) and one nap
-    assert int(w[at + 9]) <= 60, r.stdout  # spaced (lingering after each: ~280)
+    assert rx_burst <= 10 and tx_burst <= 10, out  # of 50 transfers
+    assert rx_idle >= 1 and tx_idle >= 1, out  # asleep again once idle
+    assert cpu < 0.03, out  # 100 ms idle: the linger (200 µs) and one nap
+    assert int(w[at + 9]) <= 60, out  # spaced (lingering after each: ~280)

@@ -4,6 +4,28 @@ A child ends with ``os._exit``: ucxx (like NIXL) can crash in its interpreter-
 exit teardown, which would turn a passing child into a failing one.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
+# The children's UCX over tcp only, as between two hosts.
+TCP_ENV = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def run_child(script: str, env: dict[str, str] = TCP_ENV, timeout: float = 120) -> str:
+    """Run ``script`` (dedented) as ``python -c``; its stdout (asserts it exited 0)."""
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 # Run ``main`` and leave with its outcome as the exit status (1 with a traceback).
 RUN_MAIN = """
 try:

@@ -445,20 +445,19 @@ class _NativeIO:
                 trio.lowlevel.reschedule(task, outcome.Error(err))
 
 
-_RUN: trio.lowlevel.RunVar[_NativeIO] = trio.lowlevel.RunVar("pddnet_native_io")
+_RUN: trio.lowlevel.RunVar[_NativeIO | None] = trio.lowlevel.RunVar("pddnet_native_io")
 
 
 def _native_io() -> _NativeIO | None:
     """This trio run's :class:`_NativeIO` (started on first use), or None without one."""
     if not K_NATIVE:
         return None
-    try:
-        return _RUN.get()
-    except LookupError:
+    io = _RUN.get(None)
+    if io is None:
         io = _NativeIO()
         _RUN.set(io)
         trio.lowlevel.spawn_system_task(io._deliver, name="pddnet native mover")
-        return io
+    return io
 
 
 def open_native() -> None:
@@ -472,10 +471,11 @@ def _forget(fd: int) -> None:
     if not K_NATIVE:
         return
     try:
-        io = _RUN.get()
-    except (LookupError, RuntimeError):  # none started, or not in a trio run
+        io = _RUN.get(None)
+    except RuntimeError:  # not in a trio run
         return
-    io.forget(fd)
+    if io is not None:
+        io.forget(fd)
 
 
 def _bind_xxh3() -> bool:
