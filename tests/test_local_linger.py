@@ -79,7 +79,10 @@ def test_back_to_back_small_transfers_do_not_sleep() -> None:
         int(w[at + 5]),
     )
     cpu = float(w[at + 7])
-    assert rx_burst <= 10 and tx_burst <= 10, out  # of 50 transfers
+    # Of 50 transfers; without the linger each end sleeps at least once per
+    # transfer (>= 50). A loaded 2-core CI machine can deschedule one end past
+    # the 200 µs linger now and then (seen: 12 sleeps), so the bound is half.
+    assert rx_burst <= 25 and tx_burst <= 25, out
     assert rx_idle >= 1 and tx_idle >= 1, out  # asleep again once idle
     assert cpu < 0.03, out  # 100 ms idle: the linger (200 µs) and one nap
     assert int(w[at + 9]) <= 60, out  # spaced (lingering after each: ~280)
