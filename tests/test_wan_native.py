@@ -337,7 +337,7 @@ def test_wan_transport_tests_pass_on_the_pure_python_loop() -> None:
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "python", out
     here = os.path.dirname(__file__)
-    files = ["test_transport_wan.py", "test_transport_wan_revoke.py"]
+    files = ["test_transport_wan.py", "test_transport_wan_revoke.py", "test_wan_trailer.py"]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
         + [os.path.join(here, f) for f in files],

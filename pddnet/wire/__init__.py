@@ -17,8 +17,10 @@ from ._auth import (
     auth_context,
 )
 from ._chunk import (
+    K_CHUNK_FLAG_TRAILER,
     K_CHUNK_HEADER_SIZE,
     K_CHUNK_MAGIC,
+    K_CHUNK_TRAILER_SIZE,
     K_CHUNK_VERSION,
     K_MAX_CHUNK_LENGTH,
     ChecksumAlgo,
@@ -53,8 +55,10 @@ __all__ = [
     "AuthRole",
     "AuthState",
     "auth_context",
+    "K_CHUNK_FLAG_TRAILER",
     "K_CHUNK_HEADER_SIZE",
     "K_CHUNK_MAGIC",
+    "K_CHUNK_TRAILER_SIZE",
     "K_CHUNK_VERSION",
     "K_CONTROL_VERSION",
     "K_MAX_CHUNK_LENGTH",

@@ -3,7 +3,10 @@
 Every chunk of KV bytes on a data connection is preceded by a fixed 40-byte
 little-endian header. The header carries its own CRC so that a corrupted
 length or offset is caught before the receiver trusts it, and a checksum of
-the payload computed with the algorithm the header names.
+the payload computed with the algorithm the header names: in the header, or,
+with :data:`K_CHUNK_FLAG_TRAILER`, in an 8-byte little-endian trailer right
+after the payload (the sender then hashes the bytes after writing them, while
+they are in cache, instead of in a cold pass before).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from .._errors import RemoteProtocolError
 __all__ = [
     "K_CHUNK_MAGIC",
     "K_CHUNK_VERSION",
+    "K_CHUNK_FLAG_TRAILER",
     "K_CHUNK_HEADER_SIZE",
+    "K_CHUNK_TRAILER_SIZE",
     "K_MAX_CHUNK_LENGTH",
     "ChecksumAlgo",
     "ChunkHeader",
@@ -36,6 +41,11 @@ K_MAX_CHUNK_LENGTH = 64 << 20
 _HEADER = struct.Struct("<4sBBBBQQIQ")  # without the trailing header CRC
 _HEADER_CRC = struct.Struct("<I")
 K_CHUNK_HEADER_SIZE = _HEADER.size + _HEADER_CRC.size  # 40
+# flags: the payload checksum follows the payload (u64 little-endian) and the
+# header's checksum field is 0
+K_CHUNK_FLAG_TRAILER = 0x01
+K_CHUNK_TRAILER_SIZE = 8
+_KNOWN_FLAGS = K_CHUNK_FLAG_TRAILER
 
 
 class ChunkKind(enum.IntEnum):
@@ -72,7 +82,8 @@ class ChunkHeader:
 
     ``offset`` is the chunk's position in the transfer's *logical* byte stream
     (the concatenation of the granted ranges), so the receiver can bounds-check
-    it against the grant with one comparison.
+    it against the grant with one comparison. With :data:`K_CHUNK_FLAG_TRAILER`
+    in ``flags`` the checksum is in the trailer (``checksum`` is 0).
     """
 
     transfer_id: int
@@ -82,6 +93,11 @@ class ChunkHeader:
     algo: ChecksumAlgo = ChecksumAlgo.CRC32C
     kind: ChunkKind = ChunkKind.DATA
     flags: int = 0
+
+    @property
+    def trailer(self) -> int:
+        """Bytes of checksum trailer after the payload (0 or :data:`K_CHUNK_TRAILER_SIZE`)."""
+        return K_CHUNK_TRAILER_SIZE if self.flags & K_CHUNK_FLAG_TRAILER else 0
 
     def encode(self) -> bytes:
         head = _HEADER.pack(
@@ -105,7 +121,8 @@ class ChunkHeader:
 
         Raises:
             RemoteProtocolError: on a short buffer, bad magic, version, kind,
-                algorithm or flags, a header CRC mismatch, or a length over
+                algorithm or flags (unknown ones, or a trailer with a checksum
+                in the header too), a header CRC mismatch, or a length over
                 ``max_length``.
         """
         if len(data) != K_CHUNK_HEADER_SIZE:
@@ -128,8 +145,12 @@ class ChunkHeader:
             raise RemoteProtocolError(
                 f"bad chunk kind/algo {kind}/{algo}", transfer_id=tid
             ) from exc
-        if flags:
+        if flags & ~_KNOWN_FLAGS:
             raise RemoteProtocolError(f"unknown chunk flags {flags:#x}", transfer_id=tid)
+        if flags & K_CHUNK_FLAG_TRAILER and csum:
+            raise RemoteProtocolError(
+                "chunk checksum both in the header and in a trailer", transfer_id=tid
+            )
         if length == 0 or length > max_length:
             raise RemoteProtocolError(
                 f"chunk length {length} outside [1, {max_length}]", transfer_id=tid

@@ -254,15 +254,39 @@ async def _recv_exact_tls(
         got += k
 
 
-async def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """Send every buffer in order with ``sendmsg`` (gather write, no joining copy)."""
+def can_trail(sock: socket.socket) -> bool:
+    """Whether :func:`send_all` can hash as it writes and trail the digest on ``sock``
+    (the native mover with its own XXH3, on a plain socket)."""
+    return K_NATIVE_XXH3 and not isinstance(sock, ssl.SSLSocket)
+
+
+async def send_all(
+    sock: socket.socket,
+    bufs: list[memoryview],
+    trail: Digest | None = None,
+    hash_from: int = 0,
+) -> None:
+    """Send every buffer in order with ``sendmsg`` (gather write, no joining copy).
+
+    Args:
+        trail: a fresh XXH3 :class:`Digest`, only where :func:`can_trail`: the
+            bytes from offset ``hash_from`` on are hashed right after they are
+            written (still in cache), and the digest follows them as an 8-byte
+            little-endian trailer (a chunk trailer, docs/wire.md); ``trail``
+            then holds it.
+
+    Raises:
+        ValueError: ``trail`` where :func:`can_trail` is false.
+    """
     await trio.lowlevel.checkpoint_if_cancelled()
+    if trail is not None and (not can_trail(sock) or trail.native is None):
+        raise ValueError("a trailed send needs the native mover's XXH3 and a plain socket")
     if isinstance(sock, ssl.SSLSocket):
         await _send_all_tls(sock, bufs)
         return
     native = _native_io()
     if native is not None:
-        await native.send_all(sock.fileno(), bufs)
+        await native.send_all(sock.fileno(), bufs, trail, hash_from)
         return
     i = 0
     while i < len(bufs):
@@ -378,8 +402,11 @@ class _NativeIO:
         result: tuple[int, int, int] = await trio.lowlevel.wait_task_rescheduled(abort)
         return result
 
-    async def send_all(self, fd: int, bufs: Sequence[memoryview]) -> None:
-        """Write every buffer in order (the caller has checkpointed).
+    async def send_all(
+        self, fd: int, bufs: Sequence[memoryview], trail: Digest | None, hash_from: int
+    ) -> None:
+        """Write every buffer in order (the caller has checkpointed), then, with
+        ``trail``, its digest of the bytes from ``hash_from`` on (see :func:`send_all`).
 
         Cancellation stops the write part-way (the stream is then unusable).
 
@@ -387,7 +414,8 @@ class _NativeIO:
             OSError: on a socket error.
         """
         token = next(self._tokens)
-        status, _, _ = self._mover.send(fd, bufs, token)
+        native = None if trail is None else trail.native
+        status, _, _ = self._mover.send(fd, bufs, token, native, hash_from)
         if status == _mover.PENDING:
             status, _, _ = await self._wait(token)
             if status:

@@ -37,6 +37,13 @@
  * bind_xxh3() resolves its exported functions from that extension, so the
  * digest is the one xxhash.xxh3_64 computes. An Xxh3 in use by an operation
  * refuses update() and intdigest() until the operation has ended.
+ *
+ * A send may carry one too: the thread hashes each write's bytes (those at
+ * stream offset hash_from and on) right after the write, while the kernel's
+ * copy has left them in cache, and appends the digest as an 8-byte
+ * little-endian trailer once every buffer is written (the chunk trailer of
+ * docs/wire.md). Under memory contention a cold pass before the write cost
+ * 2-3x as much as this one (docs/wan.md).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -93,7 +100,10 @@ typedef struct Op {
     struct iovec *iov;
     Py_buffer *views;
     int nviews;
-    Xxh3 *digest; /* receive: updated with every read (a reference held) */
+    Xxh3 *digest; /* updated with every read, or every write from hash_from on */
+    Py_ssize_t hash_from;      /* send: the first byte (stream offset) hashed */
+    int trailer_set;           /* send: the trailer holds the digest */
+    unsigned char trailer[8];  /* send: the last iovec (the digest, little-endian) */
 } Op;
 
 typedef struct {
@@ -142,12 +152,27 @@ static Op *find_active(Mover *m, unsigned long long token) {
 /* Run the operation's system calls until it is finished (K_DONE, K_EOF or an
  * errno) or the socket has no room or data (EAGAIN). A short write or read means
  * the socket is full or empty, so it stops there rather than retrying into EAGAIN. */
+static void hash_written(Op *op, const char *p, size_t len, Py_ssize_t pos) {
+    if (op->digest == NULL || op->trailer_set || pos + (Py_ssize_t)len <= op->hash_from) return;
+    size_t skip = pos < op->hash_from ? (size_t)(op->hash_from - pos) : 0;
+    xxh3_update(op->digest->state, p + skip, len - skip);
+}
+
 static int run_op(Op *op) {
     if (op->kind == OP_SEND) {
         while (op->iov_i < op->niov) {
             struct msghdr msg;
             memset(&msg, 0, sizeof msg);
             int n = op->niov - op->iov_i;
+            if (op->digest && !op->trailer_set) {
+                if (n == 1) { /* every buffer written: the trailer is the digest */
+                    unsigned long long d = xxh3_digest(op->digest->state);
+                    for (int i = 0; i < 8; i++) op->trailer[i] = (unsigned char)(d >> (8 * i));
+                    op->trailer_set = 1;
+                } else {
+                    n--; /* not the trailer yet */
+                }
+            }
             msg.msg_iov = op->iov + op->iov_i;
             msg.msg_iovlen = n < K_IOV_MAX ? n : K_IOV_MAX;
             Py_ssize_t want = 0;
@@ -157,17 +182,20 @@ static int run_op(Op *op) {
                 if (errno == EINTR) continue;
                 return errno == EWOULDBLOCK ? EAGAIN : errno;
             }
+            Py_ssize_t pos = op->done;
             op->done += k;
             Py_ssize_t left = k;
             while (left && op->iov_i < op->niov) {
                 struct iovec *v = &op->iov[op->iov_i];
-                if ((size_t)left >= v->iov_len) {
-                    left -= (Py_ssize_t)v->iov_len;
+                size_t take = (size_t)left < v->iov_len ? (size_t)left : v->iov_len;
+                hash_written(op, (const char *)v->iov_base, take, pos);
+                pos += (Py_ssize_t)take;
+                left -= (Py_ssize_t)take;
+                if (take == v->iov_len) {
                     op->iov_i++;
                 } else {
-                    v->iov_base = (char *)v->iov_base + left;
-                    v->iov_len -= (size_t)left;
-                    left = 0;
+                    v->iov_base = (char *)v->iov_base + take;
+                    v->iov_len -= take;
                 }
             }
             /* skip empty buffers */
@@ -386,11 +414,31 @@ static PyObject *start_op(Mover *m, Op *op) {
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
+/* digest: None, or an Xxh3 that no operation uses. 0, or -1 with an exception. */
+static int check_digest(PyObject *digest) {
+    if (digest == Py_None) return 0;
+    if (!PyObject_TypeCheck(digest, &Xxh3Type)) {
+        PyErr_SetString(PyExc_TypeError, "digest must be an Xxh3 or None");
+        return -1;
+    }
+    if (((Xxh3 *)digest)->in_use) {
+        PyErr_SetString(PyExc_RuntimeError, "the Xxh3 is in use by another operation");
+        return -1;
+    }
+    return 0;
+}
+
+static void hold_digest(Op *op, PyObject *digest) {
+    Py_INCREF(digest);
+    op->digest = (Xxh3 *)digest;
+    op->digest->in_use = 1;
+}
+
 static Op *new_op(int fd, unsigned long long token, int kind, int nviews) {
     Op *op = PyMem_Calloc(1, sizeof(Op));
     if (op == NULL) return NULL;
     op->views = PyMem_Calloc(nviews ? (size_t)nviews : 1, sizeof(Py_buffer));
-    op->iov = PyMem_Calloc(nviews ? (size_t)nviews : 1, sizeof(struct iovec));
+    op->iov = PyMem_Calloc((size_t)nviews + 1, sizeof(struct iovec)); /* + a trailer */
     if (op->views == NULL || op->iov == NULL) {
         PyMem_Free(op->views);
         PyMem_Free(op->iov);
@@ -405,17 +453,27 @@ static Op *new_op(int fd, unsigned long long token, int kind, int nviews) {
 }
 
 PyDoc_STRVAR(Mover_send_doc,
-"send(fd, buffers, token) -> (status, done, 0)\n\n"
+"send(fd, buffers, token, digest=None, hash_from=0) -> (status, done, 0)\n\n"
 "Write every buffer in order to the non-blocking socket fd. status 0: all was\n"
 "written here; 1: the rest is the thread's, and (token, status, done, lowat)\n"
 "comes from completions() when it ends. Raises OSError on a socket error.\n"
-"token must be non-zero and unique among this Mover's active operations.");
+"token must be non-zero and unique among this Mover's active operations.\n"
+"digest (a fresh Xxh3): the bytes from stream offset hash_from on are hashed as\n"
+"they are written, and its 8-byte little-endian digest is written after them.");
 
 static PyObject *Mover_send(Mover *m, PyObject *args) {
     int fd;
     PyObject *bufs;
     unsigned long long token;
-    if (!PyArg_ParseTuple(args, "iOK:send", &fd, &bufs, &token)) return NULL;
+    PyObject *digest = Py_None;
+    Py_ssize_t hash_from = 0;
+    if (!PyArg_ParseTuple(args, "iOK|On:send", &fd, &bufs, &token, &digest, &hash_from))
+        return NULL;
+    if (check_digest(digest) < 0) return NULL;
+    if (hash_from < 0) {
+        PyErr_SetString(PyExc_ValueError, "hash_from must not be negative");
+        return NULL;
+    }
     if (check_open(m) < 0) return NULL;
     if (token == 0) {
         PyErr_SetString(PyExc_ValueError, "token 0 is reserved");
@@ -447,6 +505,13 @@ static PyObject *Mover_send(Mover *m, PyObject *args) {
     }
     Py_DECREF(seq);
     op->niov = (int)n;
+    if (digest != Py_None) {
+        hold_digest(op, digest);
+        op->hash_from = hash_from;
+        op->iov[op->niov].iov_base = op->trailer;
+        op->iov[op->niov].iov_len = sizeof op->trailer;
+        op->niov++;
+    }
     while (op->iov_i < op->niov && op->iov[op->iov_i].iov_len == 0) op->iov_i++;
     return start_op(m, op);
 }
@@ -466,16 +531,7 @@ static PyObject *Mover_recv(Mover *m, PyObject *args) {
     unsigned long long token;
     if (!PyArg_ParseTuple(args, "iOKii|O:recv", &fd, &buf, &token, &lowat, &cap, &digest))
         return NULL;
-    if (digest != Py_None) {
-        if (!PyObject_TypeCheck(digest, &Xxh3Type)) {
-            PyErr_SetString(PyExc_TypeError, "digest must be an Xxh3 or None");
-            return NULL;
-        }
-        if (((Xxh3 *)digest)->in_use) {
-            PyErr_SetString(PyExc_RuntimeError, "the Xxh3 is in use by another operation");
-            return NULL;
-        }
-    }
+    if (check_digest(digest) < 0) return NULL;
     if (check_open(m) < 0) return NULL;
     if (token == 0) {
         PyErr_SetString(PyExc_ValueError, "token 0 is reserved");
@@ -495,11 +551,7 @@ static PyObject *Mover_recv(Mover *m, PyObject *args) {
     op->total = op->views[0].len;
     op->lowat = lowat;
     op->lowat_cap = cap;
-    if (digest != Py_None) {
-        Py_INCREF(digest);
-        op->digest = (Xxh3 *)digest;
-        op->digest->in_use = 1;
-    }
+    if (digest != Py_None) hold_digest(op, digest);
     return start_op(m, op);
 }
 

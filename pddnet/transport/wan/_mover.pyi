@@ -8,7 +8,15 @@ EOF: int
 
 class Mover:
     def __init__(self) -> None: ...
-    def send(self, fd: int, buffers: Sequence[Buffer], token: int, /) -> tuple[int, int, int]: ...
+    def send(
+        self,
+        fd: int,
+        buffers: Sequence[Buffer],
+        token: int,
+        digest: Xxh3 | None = None,
+        hash_from: int = 0,
+        /,
+    ) -> tuple[int, int, int]: ...
     def recv(
         self,
         fd: int,

@@ -76,7 +76,7 @@ from ..._errors import (
 )
 from ..._ratelog import LogLimiter
 from ...kv import ByteRanges
-from ...wire import K_CHUNK_HEADER_SIZE, ChunkHeader
+from ...wire import K_CHUNK_HEADER_SIZE, K_CHUNK_TRAILER_SIZE, ChunkHeader
 from ...wire._auth import K_AUTH_MAGIC, AuthFrame, AuthKind, AuthRole
 from .._auth import authenticate
 from .._base import Grant, Receiver, views_of
@@ -745,6 +745,7 @@ class WanReceiver(Receiver):
         sock = conn.sock
         hbuf = bytearray(K_CHUNK_HEADER_SIZE)
         hv = memoryview(hbuf)
+        tv = memoryview(bytearray(K_CHUNK_TRAILER_SIZE))
         scratch: memoryview | None = None
         lowat = LowWater(sock)
         table = self._table
@@ -776,16 +777,22 @@ class WanReceiver(Receiver):
             decision = table.begin(header, conn)
             tid = header.transfer_id
             body_by = math.inf if body_timeout is None else trio.current_time() + body_timeout
-            action, left = decision.action, header.length
+            # the payload, then its checksum trailer if it has one
+            action, left = decision.action, header.length + header.trailer
             if action is Action.WRITE:
                 views = self._waiters[tid].views
                 digest = Digest(header.algo)
+                want = header.checksum
                 try:
                     with trio.move_on_at(body_by) as scope:
                         for b, o, n in decision.pieces:
                             dst = views[b][o : o + n]
                             await recv_exact(sock, dst, lowat, decision.permit, digest)
                             left -= n
+                        if header.trailer:
+                            await recv_exact(sock, tv, lowat)
+                            left = 0
+                            want = int.from_bytes(tv, "little")
                     if scope.cancelled_caught:
                         raise self._slow_body(header, body_by)
                 except Revoked as exc:
@@ -797,7 +804,7 @@ class WanReceiver(Receiver):
                     table.abort(header, conn)
                     raise
                 if action is Action.WRITE:
-                    ok = digest.value() == header.checksum
+                    ok = digest.value() == want
                     self._dispatch(table.finish(header, conn, ok))
                     if not ok:
                         raise RemoteProtocolError(
@@ -809,7 +816,7 @@ class WanReceiver(Receiver):
             # drain (the rest of) a payload we will not keep
             if scratch is None:
                 scratch = memoryview(bytearray(K_SCRATCH))
-            table.bytes_dropped += left
+            table.bytes_dropped += max(0, left - header.trailer)
             with trio.move_on_at(body_by) as scope:
                 while left:
                     k = min(left, len(scratch))

@@ -40,12 +40,22 @@ from ..._errors import (
     TransferTimeout,
 )
 from ...kv import ByteRanges
-from ...wire import K_CHUNK_HEADER_SIZE, ChecksumAlgo, ChunkHeader
+from ...wire import K_CHUNK_FLAG_TRAILER, K_CHUNK_HEADER_SIZE, ChecksumAlgo, ChunkHeader
 from ...wire._auth import AuthRole
 from .._auth import authenticate
 from .._base import Grant, ProgressCallback, Sender, Transfer, TransferState, views_of
 from ._framing import K_MAX_PAD, LinkCode, LinkFrame, LinkKind
-from ._io import EndOfStream, FrameReader, close, connect, digest_of, open_native, send_all
+from ._io import (
+    Digest,
+    EndOfStream,
+    FrameReader,
+    can_trail,
+    close,
+    connect,
+    digest_of,
+    open_native,
+    send_all,
+)
 from ._pacer import Pacer, PacingDecision, TcpSample, UnsentMark, make_pacer
 from ._scheduler import Chunk, Scheduler, TransferFailed, TransferProgress
 from ._sockopts import (
@@ -119,6 +129,11 @@ K_MARK_HOLD = 0.2
 # while no urgent transfer runs"); an urgent transfer's start drops the size back.
 K_BULK_CHUNK = 4 << 20
 K_DEFAULT_ALGO = ChecksumAlgo.XXH3_64
+# A chunk at least this long, sent for the first time over the native mover with
+# XXH3, carries its checksum in a trailer: hashed right after the kernel's copy
+# (in cache) instead of in a cold pass before it, 2-3x cheaper under memory
+# contention (docs/wan.md). Shorter (urgent) chunks keep it in the header.
+K_TRAILER_MIN_CHUNK = 1 << 20
 K_SAMPLE_PERIOD = 0.1
 K_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 
@@ -215,6 +230,7 @@ class StreamStatistics:
     congestion: str
     bytes_sent: int
     chunks_sent: int
+    chunks_trailed: int  # of chunks_sent: with the checksum in a trailer (docs/wire.md)
     connects: int
     rtt: float
     delivery_rate: float
@@ -310,6 +326,7 @@ class _Stream:
     congestion: str = ""
     bytes_sent: int = 0
     chunks_sent: int = 0
+    chunks_trailed: int = 0  # of chunks_sent: checksum in a trailer (K_TRAILER_MIN_CHUNK)
     connects: int = 0
     control: list[LinkFrame] = field(default_factory=list)
     sample: TcpSample | None = None
@@ -549,6 +566,7 @@ class WanSender(Sender):
                 congestion=s.congestion,
                 bytes_sent=s.bytes_sent,
                 chunks_sent=s.chunks_sent,
+                chunks_trailed=s.chunks_trailed,
                 connects=s.connects,
                 rtt=s.sample.rtt if s.sample else math.nan,
                 delivery_rate=s.sample.delivery_rate if s.sample else math.nan,
@@ -864,10 +882,26 @@ class WanSender(Sender):
         if t is None:  # ended between scheduling and now
             return
         pieces = [t.views[b][o : o + n] for b, o, n in t.ranges.pieces(ch.lo, ch.hi)]
-        if ch.checksum is None:
-            ch.checksum = digest_of(pieces, self.algo)
-        header = ChunkHeader(ch.transfer_id, ch.lo, ch.length, ch.checksum, self.algo).encode()
-        await send_all(sock, [memoryview(header), *pieces])
+        if (
+            ch.checksum is None
+            and ch.length >= K_TRAILER_MIN_CHUNK
+            and self.algo is ChecksumAlgo.XXH3_64
+            and can_trail(sock)
+        ):
+            # Hashed as written, the digest after the payload; a re-send of this
+            # chunk (hedge, DUP, new connection) puts it in the header.
+            trail = Digest(self.algo)
+            header = ChunkHeader(
+                ch.transfer_id, ch.lo, ch.length, 0, self.algo, flags=K_CHUNK_FLAG_TRAILER
+            ).encode()
+            await send_all(sock, [memoryview(header), *pieces], trail, len(header))
+            ch.checksum = trail.value()
+            s.chunks_trailed += 1
+        else:
+            if ch.checksum is None:
+                ch.checksum = digest_of(pieces, self.algo)
+            header = ChunkHeader(ch.transfer_id, ch.lo, ch.length, ch.checksum, self.algo).encode()
+            await send_all(sock, [memoryview(header), *pieces])
         s.bytes_sent += ch.length
         s.chunks_sent += 1
 
