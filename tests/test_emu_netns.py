@@ -243,3 +243,32 @@ def test_interrupted_run_cleans_up(how: str) -> None:
         assert names[0].rsplit("-", 1)[0] in remove_stale_workdirs("pddt")
     assert not int(fw) or not pid_alive(int(fw))
     assert not any(n in list_netns() for n in names)
+
+
+def _affinity() -> str:
+    return " ".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+@needs_netns
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_isolate_cpu_gives_the_forwarder_a_cpu_of_its_own() -> None:
+    """The forwarder on the highest allowed CPU, what the hosts start (spawn, run,
+    call) on the others from the start; the caller's own affinity is untouched.
+    Without isolate_cpu nothing is pinned."""
+    allowed = sorted(os.sched_getaffinity(0))
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with emulated_wan("2ms", backend="tun", isolate_cpu=True) as wan:
+        assert wan.forwarder_cpu == allowed[-1]
+        assert wan.host_cpus == frozenset(allowed[:-1])
+        assert wan.forwarder_pid is not None
+        assert os.sched_getaffinity(wan.forwarder_pid) == {allowed[-1]}
+        assert wan.p.run(probe).stdout.strip() == str(allowed[:-1])
+        assert wan.md.call(_affinity) == " ".join(map(str, allowed[:-1]))
+        out = wan.rld.spawn(probe, stdout=subprocess.PIPE, text=True).communicate()[0]
+        assert out.strip() == str(allowed[:-1])
+        assert sorted(os.sched_getaffinity(0)) == allowed
+    with emulated_wan("2ms", backend="tun") as wan:
+        assert wan.forwarder_cpu is None and wan.host_cpus is None
+        assert wan.forwarder_pid is not None
+        assert sorted(os.sched_getaffinity(wan.forwarder_pid)) == allowed
+        assert wan.p.run(probe).stdout.strip() == str(allowed)

@@ -581,6 +581,9 @@ def emulated(
         loss=link["loss"],
         jitter=f"{link.get('jitter_ms', 0.0)}ms",
         mtu=int(link["mtu"]),
+        # the forwarder on a CPU of its own, senders and receivers on the others:
+        # sharing, it ran late in every round here (docs/wan-emulation.md)
+        isolate_cpu=True,
     ) as wan:
         # Persistent streams sit idle between transfers: keep their congestion
         # window (the recommended setting for pddnet hosts; see docs/wan.md).
@@ -649,6 +652,10 @@ def emulated(
                 ]
             )
             paired["log"] = log
+            paired["emulator_cpus"] = {
+                "forwarder": wan.forwarder_cpu,
+                "hosts": sorted(wan.host_cpus) if wan.host_cpus is not None else None,
+            }
             labels = {"pddnet": f"pddnet x{n}", "iperf3": f"iperf3 -P {n}"}
             for who in names:
                 runs = [rec[who] for rec in log if rec[who]]

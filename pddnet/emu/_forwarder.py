@@ -88,6 +88,8 @@ def run(cfg: dict[str, Any]) -> None:
     # A late wake-up is emulator error, not link behaviour: ask for a real-time
     # priority (the loop always blocks in select, so it cannot starve the box; the
     # kernel's RT throttling is a second guard), else a better nice value.
+    if cfg.get("cpus"):  # a CPU of its own (Testbed isolate_cpu); single-threaded
+        os.sched_setaffinity(0, cfg["cpus"])
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(int(cfg.get("rt_priority", 10))))
     except (OSError, AttributeError):

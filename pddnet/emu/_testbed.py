@@ -105,10 +105,35 @@ class Host:
         Returns:
             The Popen handle.
         """
-        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *argv], **popen_kwargs)
+        proc = self._popen(["ip", "netns", "exec", self.netns, *argv], **popen_kwargs)
         if self._testbed is not None:
             self._testbed._procs.append(proc)
         return proc
+
+    def _popen(self, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` on the testbed's host CPUs (:attr:`Testbed.host_cpus`)."""
+        cpus = self._testbed.host_cpus if self._testbed is not None else None
+        with _thread_affinity(cpus):
+            return subprocess.Popen(argv, **popen_kwargs)
+
+    def _wait(
+        self, argv: list[str], input: bytes | None, timeout: float | None, **popen_kwargs: Any
+    ) -> tuple[int, Any, Any]:
+        """``subprocess.run`` through :meth:`_popen`: (returncode, stdout, stderr).
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past ``timeout`` (it is killed).
+        """
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
+        with self._popen(argv, stdin=stdin, **pipes, **popen_kwargs) as proc:
+            try:
+                out, err = proc.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+        return proc.returncode, out, err
 
     def run(
         self, argv: Sequence[str], *, timeout: float | None = 60.0, check: bool = True
@@ -122,12 +147,9 @@ class Host:
             TransportError: it exited non-zero and ``check`` is set.
             subprocess.TimeoutExpired: it ran past ``timeout`` (it is killed).
         """
-        res = subprocess.run(
-            ["ip", "netns", "exec", self.netns, *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        full = ["ip", "netns", "exec", self.netns, *argv]
+        code, out, err = self._wait(full, None, timeout, text=True)
+        res = subprocess.CompletedProcess(full, code, out, err)
         if check and res.returncode != 0:
             raise TransportError(
                 f"{argv!r} on {self.name} exited {res.returncode}: {res.stderr.strip()[-500:]}",
@@ -154,21 +176,16 @@ class Host:
 
         payload = pickle.dumps((func.__module__, func.__qualname__, args, kwargs))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        res = subprocess.run(
-            ["ip", "netns", "exec", self.netns, sys.executable, "-m", "pddnet.emu._call"],
-            input=payload,
-            capture_output=True,
-            timeout=timeout,
-            env=env,
-        )
-        if res.returncode != 0 or not res.stdout:
+        argv = ["ip", "netns", "exec", self.netns, sys.executable, "-m", "pddnet.emu._call"]
+        code, out, err = self._wait(argv, payload, timeout, env=env)
+        if code != 0 or not out:
             raise RemoteCallError(
-                f"{func.__qualname__} on {self.name}: exit {res.returncode}: "
-                f"{res.stderr.decode(errors='replace')[-2000:]}",
+                f"{func.__qualname__} on {self.name}: exit {code}: "
+                f"{err.decode(errors='replace')[-2000:]}",
                 code="ProcessExit",
                 peer=self.name,
             )
-        ok, value = pickle.loads(res.stdout)
+        ok, value = pickle.loads(out)
         if not ok:
             code, tb = value
             raise RemoteCallError(
@@ -198,6 +215,12 @@ class Testbed:
         persistent: the forwarder outlives this process (``pddnet wan up``); otherwise
             it exits within 0.25 s of this process dying.
         workdir: where the forwarder's config, stats and log go.
+        isolate_cpu: (tun backend, 2 or more CPUs allowed) give the forwarder the
+            highest allowed CPU to itself: it runs there and everything the
+            hosts start runs on the others (:attr:`host_cpus`). For benchmarks:
+            on a kernel without preemption (``PREEMPT_NONE``) a real-time
+            forwarder still waits for another task's system call to end, and
+            released every round's packets late (docs/wan-emulation.md).
 
     Use as a context manager (``with Testbed(spec) as tb: ...``) or through
     :func:`emulated_wan`. Teardown kills tracked processes by PID, then every
@@ -215,6 +238,7 @@ class Testbed:
         prefix: str = "pddt",
         persistent: bool = False,
         workdir: str | None = None,
+        isolate_cpu: bool = False,
     ) -> None:
         if backend not in ("auto", "netem", "tun"):
             raise ValueError(f"unknown backend {backend!r}")
@@ -228,6 +252,10 @@ class Testbed:
             h: Host(h, f"{self.run_id}-{_ROLE[h]}", _ADDR[h], self) for h in HOSTS
         }
         self.routers = {"a": f"{self.run_id}-ra", "b": f"{self.run_id}-rb"}
+        self.isolate_cpu = isolate_cpu
+        # set by up() when isolate_cpu applies
+        self.forwarder_cpu: int | None = None
+        self.host_cpus: frozenset[int] | None = None
         self.forwarder_pid: int | None = None
         self._forwarder: subprocess.Popen[bytes] | None = None
         self._procs: list[subprocess.Popen[Any]] = []
@@ -383,6 +411,11 @@ class Testbed:
             "stats_path": self.stats_path,
             "die_with_parent": not self.persistent,
         }
+        allowed = sorted(os.sched_getaffinity(0))
+        if self.isolate_cpu and len(allowed) >= 2:
+            self.forwarder_cpu = allowed[-1]
+            self.host_cpus = frozenset(allowed[:-1])
+            cfg["cpus"] = [self.forwarder_cpu]
         cfg_path = os.path.join(self.workdir, "forwarder.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
@@ -502,6 +535,22 @@ class Testbed:
         return tb
 
 
+@contextlib.contextmanager
+def _thread_affinity(cpus: frozenset[int] | None) -> Iterator[None]:
+    """The calling thread on ``cpus`` for the body (None: unchanged): a process
+    it starts inherits them from the start, before it could start threads.
+    Linux sets the affinity per thread, so the caller's other threads keep theirs."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def _veth(name: str, peer: str, peer_ns: str, mtu: str, *, ns: str) -> None:
     """A veth pair in ``ns``: ``name`` stays there, ``peer`` moves into ``peer_ns``."""
     args = ["link", "add", name, "mtu", mtu, "type", "veth"]
@@ -588,6 +637,7 @@ def emulated_wan(
     mtu: int = 1500,
     backend: str = "auto",
     spec: WanSpec | None = None,
+    isolate_cpu: bool = False,
     **kwargs: Any,
 ) -> Iterator[Testbed]:
     """Build a ``pdd`` testbed for the body, and always tear it down.
@@ -600,6 +650,7 @@ def emulated_wan(
         mtu: MTU of every link.
         backend: ``"auto"``, ``"netem"`` or ``"tun"``.
         spec: a full :class:`WanSpec` (overrides the other link arguments).
+        isolate_cpu: the forwarder gets a CPU to itself (see :class:`Testbed`).
         **kwargs: more :meth:`WanSpec.symmetric` arguments (``queue``, ``reorder``,
             ``ge``, ``seed``, ``congestion_control``).
 
@@ -611,7 +662,7 @@ def emulated_wan(
     """
     if spec is None:
         spec = WanSpec.symmetric(rtt=rtt, rate=rate, loss=loss, jitter=jitter, mtu=mtu, **kwargs)
-    tb = Testbed(spec, backend=backend)
+    tb = Testbed(spec, backend=backend, isolate_cpu=isolate_cpu)
     try:
         tb.up()
         yield tb
