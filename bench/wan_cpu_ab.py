@@ -29,6 +29,26 @@ SEND = """
 import os, sys
 exec(os.environ.get("PDDNET_AB_PRE", ""))
 from pddnet.bench import _wan_peer as peer
+from pddnet.transport.wan import _sender
+def _tasks():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        d = "/proc/self/task/" + tid
+        with open(d + "/comm") as f:
+            name = f.read().strip()
+        with open(d + "/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        with open(d + "/status") as f:
+            cs = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        out[tid] = (name, int(st[11]) + int(st[12]), int(cs["voluntary_ctxt_switches"]),
+                    int(cs["nonvoluntary_ctxt_switches"]))
+    return out
+SNAP = {}
+_aclose = _sender.WanSender.aclose
+async def _snap_aclose(self):
+    SNAP.update(_tasks())  # the mover's thread lives until trio.run ends
+    await _aclose(self)
+_sender.WanSender.aclose = _snap_aclose
 prof = None
 if os.environ.get("PDDNET_AB_CPROFILE"):
     import cProfile, time
@@ -39,6 +59,9 @@ if prof is not None:
     import pstats
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+for tid, (name, ticks, vol, nonvol) in sorted(SNAP.items()):
+    cpu = ticks / os.sysconf("SC_CLK_TCK")
+    print("TASK %s cpu=%.2fs vol=%d nonvol=%d" % (name, cpu, vol, nonvol), flush=True)
 for run in r["runs"]:
     print("RUN s=%.2f tx=%.3f rx=%.3f txuser=%.3f rxuser=%.3f" % (
         run["seconds"], run["cpu_tx"], run["cpu_rx"],
@@ -80,6 +103,9 @@ def main() -> int:
             first = False
             runs = " ".join(line[4:] for line in out.splitlines() if line.startswith("RUN "))
             print(f"{name}: {runs}", flush=True)
+            for line in out.splitlines():
+                if line.startswith("TASK "):
+                    print(f"  {name} {line[5:]}", flush=True)
     return 0
 
 
