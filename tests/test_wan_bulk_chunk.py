@@ -7,6 +7,7 @@ import trio
 
 from pddnet.kv import ByteRanges
 from pddnet.transport.wan import WanReceiver, WanSender, WanTransfer
+from pddnet.transport.wan._sender import K_BULK_CHUNK
 
 MIB = 1 << 20
 
@@ -17,27 +18,29 @@ def test_bulk_chunk_policy_with_explicit_times() -> None:
 
     m = UnsentMark(256 << 10, MIB, hold=0.2)
 
-    def size(now: float, urgent: bool, path: int = MIB, largest: int = 4 * MIB) -> int:
+    big = K_BULK_CHUNK
+
+    def size(now: float, urgent: bool, path: int = MIB, largest: int = 16 * MIB) -> int:
         m.update(now, urgent)
         return bulk_chunk_size(path, largest=largest, bulk_only=m.bulk_only(now))
 
-    assert size(0.0, urgent=False) == 4 * MIB  # bulk alone: large
+    assert size(0.0, urgent=False) == big  # bulk alone: large
     assert size(1.0, urgent=True) == MIB  # an urgent transfer starts: the path's at once
     assert size(1.5, urgent=True) == MIB
     assert size(2.0, urgent=False) == MIB  # it ended at 2.0: held with the mark
     assert size(2.19, urgent=False) == MIB
-    assert size(2.2, urgent=False) == 4 * MIB  # the hold is over
+    assert size(2.2, urgent=False) == big  # the hold is over
     assert size(2.3, urgent=True) == MIB
     assert size(2.35, urgent=False) == MIB
     assert size(2.45, urgent=True) == MIB  # a train keeps it small
     assert size(2.65, urgent=False) == MIB
     assert size(2.84, urgent=False) == MIB  # the hold counts from the last end
-    assert size(2.85, urgent=False) == 4 * MIB
+    assert size(2.85, urgent=False) == big
     # at most max_chunk_size: a fixed chunk_size (largest == path) never grows
     assert size(3.0, urgent=False, largest=MIB) == MIB
     assert size(3.0, urgent=False, largest=2 * MIB) == 2 * MIB
-    # a fast path's own larger size is kept in either state
-    assert size(3.0, urgent=False, path=4 * MIB) == 4 * MIB
+    # a fast path's own size is kept in either state (above K_BULK_CHUNK too)
+    assert size(3.0, urgent=False, path=16 * MIB) == 16 * MIB
     assert size(3.1, urgent=True, path=4 * MIB) == 4 * MIB
     # no unsent mark at all (low 0): the chunk size still follows the urgent state
     n = UnsentMark(0, MIB, hold=0.2)
@@ -83,14 +86,17 @@ async def test_bulk_chunks_large_alone_and_the_path_size_while_urgent_runs() -> 
             while max(s.pacing_rate for s in tx.statistics().streams[:2]) > 100e6:
                 await trio.sleep(0.02)
 
-        # bulk alone: 4 MiB chunks (the tail is striped smaller over the two streams)
-        t, acked, src, dst = await _send(rx, tx, 24 * MIB)
+        # bulk alone: K_BULK_CHUNK (8 MiB) chunks, the tail striped smaller over
+        # the two streams
+        big = tx.statistics().chunk_size
+        assert big == K_BULK_CHUNK == 8 * MIB
+        t, acked, src, dst = await _send(rx, tx, 48 * MIB)
         with trio.fail_after(20):
             await t.wait()
         assert np.array_equal(src, dst)
         sizes = _chunks(acked)
-        assert sum(sizes) == 24 * MIB
-        assert max(sizes) == 4 * MIB and sizes.count(4 * MIB) >= 4, sizes
+        assert sum(sizes) == 48 * MIB
+        assert max(sizes) == big and sizes.count(big) >= 4, sizes
 
         # an urgent transfer queued (not ready yet): bulk is cut at the path's size
         u, _, usrc, udst = await _send(rx, tx, 256 << 10, priority=1, ready=False)
@@ -109,4 +115,4 @@ async def test_bulk_chunks_large_alone_and_the_path_size_while_urgent_runs() -> 
         with trio.fail_after(5):
             while tx.statistics().chunk_size == MIB:  # grows once the hold is over
                 await trio.sleep(0.02)
-        assert tx.statistics().chunk_size == 4 * MIB
+        assert tx.statistics().chunk_size == big
