@@ -30,24 +30,17 @@ import os, sys
 exec(os.environ.get("PDDNET_AB_PRE", ""))
 from pddnet.bench import _wan_peer as peer
 from pddnet.transport.wan import _sender
-def _tasks():
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        d = "/proc/self/task/" + tid
-        with open(d + "/comm") as f:
-            name = f.read().strip()
-        with open(d + "/stat") as f:
-            st = f.read().rsplit(")", 1)[1].split()
-        with open(d + "/status") as f:
-            cs = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
-        out[tid] = (name, int(st[11]) + int(st[12]), int(cs["voluntary_ctxt_switches"]),
-                    int(cs["nonvoluntary_ctxt_switches"]))
-    return out
-SNAP = {}
-_aclose = _sender.WanSender.aclose
+sys.path.insert(0, os.environ["PDDNET_AB_DIR"])
+from wan_cpu_ab import thread_cpu
+SNAP0, SNAP = {}, {}
+_connected, _aclose = _sender.WanSender.wait_connected, _sender.WanSender.aclose
+async def _snap_connected(self):
+    await _connected(self)
+    SNAP0.update(thread_cpu())  # the transfers start after this
 async def _snap_aclose(self):
-    SNAP.update(_tasks())  # the mover's thread lives until trio.run ends
+    SNAP.update(thread_cpu())  # the mover's thread lives until trio.run ends
     await _aclose(self)
+_sender.WanSender.wait_connected = _snap_connected
 _sender.WanSender.aclose = _snap_aclose
 prof = None
 if os.environ.get("PDDNET_AB_CPROFILE"):
@@ -59,9 +52,9 @@ if prof is not None:
     import pstats
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-for tid, (name, ticks, vol, nonvol) in sorted(SNAP.items()):
-    cpu = ticks / os.sysconf("SC_CLK_TCK")
-    print("TASK %s cpu=%.2fs vol=%d nonvol=%d" % (name, cpu, vol, nonvol), flush=True)
+for tid, (name, *now) in sorted(SNAP.items()):  # over the transfers
+    user, system, vol, nonvol = (a - b for a, b in zip(now, SNAP0.get(tid, (0,) * 5)[1:]))
+    print("TASK tx %s user=%.2fs sys=%.2fs vol=%d nonvol=%d" % (name, user, system, vol, nonvol))
 for run in r["runs"]:
     print("RUN s=%.2f tx=%.3f rx=%.3f txuser=%.3f rxuser=%.3f" % (
         run["seconds"], run["cpu_tx"], run["cpu_rx"],
@@ -69,8 +62,35 @@ for run in r["runs"]:
 """
 
 
+def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float, int, int]]:
+    """Each thread of process ``pid``: (name, user s, system s, voluntary and
+    involuntary context switches), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        d = f"/proc/{pid}/task/{tid}"
+        with open(d + "/comm") as f:
+            name = f.read().strip()
+        with open(d + "/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        with open(d + "/status") as f:
+            cs = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        out[int(tid)] = (
+            name,
+            int(st[11]) / tick,
+            int(st[12]) / tick,
+            int(cs["voluntary_ctxt_switches"]),
+            int(cs["nonvoluntary_ctxt_switches"]),
+        )
+    return out
+
+
 def _one(code: str, transfers: int, cprofile: bool) -> str:
-    env = {"PDDNET_AB_PRE": code, **({"PDDNET_AB_CPROFILE": "1"} if cprofile else {})}
+    env = {
+        "PDDNET_AB_PRE": code,
+        "PDDNET_AB_DIR": os.path.dirname(os.path.abspath(__file__)),
+        **({"PDDNET_AB_CPROFILE": "1"} if cprofile else {}),
+    }
     with emulated_wan("30ms", rate="1000mbit", loss=0.001, mtu=9000, isolate_cpu=True) as wan:
         for host in (wan.p, wan.md):
             host.run(["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
@@ -82,6 +102,9 @@ def _one(code: str, transfers: int, cprofile: bool) -> str:
         argv = [sys.executable, "-c", SEND, wan.md.addr, str(transfers)]
         tx = wan.p.spawn(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         out, _ = tx.communicate(timeout=60 + 30 * transfers)
+        # the receiver's threads over its life (start-up and idle included)
+        for name, user, system, vol, nonvol in sorted(thread_cpu(rx.pid).values()):
+            out += f"TASK rx {name} user={user:.2f}s sys={system:.2f}s vol={vol} nonvol={nonvol}\n"
         rx.kill()
     return out
 

@@ -9,6 +9,7 @@ paths are covered wherever the mover is built.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import xxhash
 from pddnet.transport.wan import _io, native_path
 from pddnet.transport.wan._acceptor import WritePermit
 from pddnet.transport.wan._io import EndOfStream, LowWater, Revoked, close, recv_exact, send_all
+from pddnet.transport.wan._sockopts import set_notsent_lowat
 from pddnet.wire import ChecksumAlgo
 
 _mover = pytest.importorskip("pddnet.transport.wan._mover")
@@ -173,6 +175,48 @@ async def test_a_read_and_a_write_wait_on_one_socket_together() -> None:
             while lo < len(out):
                 lo += await trio.to_thread.run_sync(a.recv_into, memoryview(back)[lo:])
     assert got == b"r" * 1000 and back == out
+    a.close()
+    b.close()
+
+
+def _writable(sock: socket.socket) -> bool:
+    p = select.poll()
+    p.register(sock, select.POLLOUT)
+    return bool(p.poll(0))
+
+
+async def test_a_send_with_room_ends_once_the_socket_has_room_again() -> None:
+    """``room=True``: the send ends only when every byte is written *and* the socket
+    is writable again; a plain send ends with the bytes queued. A TCP socket with
+    an unsent mark M takes writes while under M unsent bytes but is writable
+    only under M / 2, so 1.5 MiB written into a peer that does not read (its
+    window takes at most a few hundred KiB) leaves it between the two."""
+    a, b = _pair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    set_notsent_lowat(a, 2 << 20)
+    data = os.urandom(3 << 19)
+    lowat = LowWater(b)
+    for room in (False, True):
+        got = bytearray(len(data))
+        ended = trio.Event()
+
+        async def send(room: bool = room, ended: trio.Event = ended) -> None:
+            await send_all(a, [memoryview(data)], room=room)
+            ended.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(send)
+            with trio.fail_after(10):
+                if not room:
+                    await ended.wait()  # every byte taken, most of it unsent
+                else:
+                    await trio.sleep(0.3)
+                    assert not ended.is_set()
+                assert not _writable(a)
+                await recv_exact(b, memoryview(got), lowat)
+                await ended.wait()
+        assert got == data and _writable(a)
     a.close()
     b.close()
 

@@ -265,6 +265,8 @@ async def send_all(
     bufs: list[memoryview],
     trail: Digest | None = None,
     hash_from: int = 0,
+    *,
+    room: bool = False,
 ) -> None:
     """Send every buffer in order with ``sendmsg`` (gather write, no joining copy).
 
@@ -274,6 +276,10 @@ async def send_all(
             written (still in cache), and the digest follows them as an 8-byte
             little-endian trailer (a chunk trailer, docs/wire.md); ``trail``
             then holds it.
+        room: return only once the socket has room again too (writable: under
+            its unsent low-water mark), the wait a writer makes before its next
+            write; the native mover waits for it on its thread, so the caller
+            wakes once for both.
 
     Raises:
         ValueError: ``trail`` where :func:`can_trail` is false.
@@ -283,11 +289,16 @@ async def send_all(
         raise ValueError("a trailed send needs the native mover's XXH3 and a plain socket")
     if isinstance(sock, ssl.SSLSocket):
         await _send_all_tls(sock, bufs)
+    elif (native := _native_io()) is not None:
+        await native.send_all(sock.fileno(), bufs, trail, hash_from, room)
         return
-    native = _native_io()
-    if native is not None:
-        await native.send_all(sock.fileno(), bufs, trail, hash_from)
-        return
+    else:
+        await _send_all_plain(sock, bufs)
+    if room:
+        await trio.lowlevel.wait_writable(sock)
+
+
+async def _send_all_plain(sock: socket.socket, bufs: list[memoryview]) -> None:
     i = 0
     while i < len(bufs):
         try:
@@ -403,10 +414,16 @@ class _NativeIO:
         return result
 
     async def send_all(
-        self, fd: int, bufs: Sequence[memoryview], trail: Digest | None, hash_from: int
+        self,
+        fd: int,
+        bufs: Sequence[memoryview],
+        trail: Digest | None,
+        hash_from: int,
+        room: bool,
     ) -> None:
         """Write every buffer in order (the caller has checkpointed), then, with
-        ``trail``, its digest of the bytes from ``hash_from`` on (see :func:`send_all`).
+        ``trail``, its digest of the bytes from ``hash_from`` on; with ``room``,
+        end once the socket has room again (see :func:`send_all`).
 
         Cancellation stops the write part-way (the stream is then unusable).
 
@@ -415,11 +432,15 @@ class _NativeIO:
         """
         token = next(self._tokens)
         native = None if trail is None else trail.native
-        status, _, _ = self._mover.send(fd, bufs, token, native, hash_from)
+        status, _, _ = self._mover.send(fd, bufs, token, native, hash_from, room)
         if status == _mover.PENDING:
             status, _, _ = await self._wait(token)
             if status:
                 raise OSError(status, f"send: {os.strerror(status)}")
+        elif room:
+            # done here, with room left: still a schedule point, as the wait for
+            # room is elsewhere, so one stream cannot take every chunk in a row
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def recv_exact(
         self,

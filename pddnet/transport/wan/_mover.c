@@ -44,6 +44,11 @@
  * little-endian trailer once every buffer is written (the chunk trailer of
  * docs/wire.md). Under memory contention a cold pass before the write cost
  * 2-3x as much as this one (docs/wan.md).
+ *
+ * A send with room set finishes only once every byte is written *and* the
+ * socket has room again (POLLOUT: under its TCP_NOTSENT_LOWAT mark): the
+ * writer's next step is to wait for that room, and the thread waits for it
+ * instead, so Python wakes once per chunk rather than twice (docs/wan.md).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,6 +56,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -103,6 +109,8 @@ typedef struct Op {
     Xxh3 *digest; /* updated with every read, or every write from hash_from on */
     Py_ssize_t hash_from;      /* send: the first byte (stream offset) hashed */
     int trailer_set;           /* send: the trailer holds the digest */
+    int room;                  /* send: finish only once the socket has room again */
+    int room_wait;             /* send: all written, waiting for that room */
     unsigned char trailer[8];  /* send: the last iovec (the digest, little-endian) */
 } Op;
 
@@ -201,6 +209,14 @@ static int run_op(Op *op) {
             /* skip empty buffers */
             while (op->iov_i < op->niov && op->iov[op->iov_i].iov_len == 0) op->iov_i++;
             if (k < want && op->iov_i < op->niov) return EAGAIN;
+        }
+        if (op->room && !op->room_wait) {
+            /* POLLOUT is the same test as the epoll wake-up below */
+            struct pollfd p = {.fd = op->fd, .events = POLLOUT};
+            if (poll(&p, 1, 0) == 0) {
+                op->room_wait = 1; /* the next wake-up (room, or an error) ends it */
+                return EAGAIN;
+            }
         }
         return K_DONE;
     }
@@ -453,13 +469,15 @@ static Op *new_op(int fd, unsigned long long token, int kind, int nviews) {
 }
 
 PyDoc_STRVAR(Mover_send_doc,
-"send(fd, buffers, token, digest=None, hash_from=0) -> (status, done, 0)\n\n"
+"send(fd, buffers, token, digest=None, hash_from=0, room=False) -> (status, done, 0)\n\n"
 "Write every buffer in order to the non-blocking socket fd. status 0: all was\n"
 "written here; 1: the rest is the thread's, and (token, status, done, lowat)\n"
 "comes from completions() when it ends. Raises OSError on a socket error.\n"
 "token must be non-zero and unique among this Mover's active operations.\n"
 "digest (a fresh Xxh3): the bytes from stream offset hash_from on are hashed as\n"
-"they are written, and its 8-byte little-endian digest is written after them.");
+"they are written, and its 8-byte little-endian digest is written after them.\n"
+"room: finish only once every byte is written and the socket has room again\n"
+"(writable: under its unsent low-water mark), or reports an error.");
 
 static PyObject *Mover_send(Mover *m, PyObject *args) {
     int fd;
@@ -467,7 +485,8 @@ static PyObject *Mover_send(Mover *m, PyObject *args) {
     unsigned long long token;
     PyObject *digest = Py_None;
     Py_ssize_t hash_from = 0;
-    if (!PyArg_ParseTuple(args, "iOK|On:send", &fd, &bufs, &token, &digest, &hash_from))
+    int room = 0;
+    if (!PyArg_ParseTuple(args, "iOK|Onp:send", &fd, &bufs, &token, &digest, &hash_from, &room))
         return NULL;
     if (check_digest(digest) < 0) return NULL;
     if (hash_from < 0) {
@@ -505,6 +524,7 @@ static PyObject *Mover_send(Mover *m, PyObject *args) {
     }
     Py_DECREF(seq);
     op->niov = (int)n;
+    op->room = room;
     if (digest != Py_None) {
         hold_digest(op, digest);
         op->hash_from = hash_from;

@@ -15,6 +15,7 @@ class Mover:
         token: int,
         digest: Xxh3 | None = None,
         hash_from: int = 0,
+        room: bool = False,
         /,
     ) -> tuple[int, int, int]: ...
     def recv(

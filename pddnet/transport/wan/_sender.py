@@ -847,23 +847,35 @@ class WanSender(Sender):
             pad = LinkFrame(LinkKind.PAD, self._session, s.index, self.express_warmup)
             await send_all(sock, [memoryview(pad.encode()), _zeros(self.express_warmup)])
         sched = self._sched
+        # With an unsent mark, a chunk is pulled only once the socket has room
+        # under it; each send returns only then (send_all's room), so the mark
+        # seen before it is the one its wait ended under.
+        room = bool(self.notsent_lowat)
+        has_room = False
+        lowat = s.notsent_lowat
         while True:
-            if self.notsent_lowat:
-                lowat = s.notsent_lowat
-                await trio.lowlevel.wait_writable(sock)
+            if room:
+                if not has_room:
+                    lowat = s.notsent_lowat
+                    await trio.lowlevel.wait_writable(sock)
+                has_room = False
                 if s.notsent_lowat < lowat:
                     # lowered while this task was woken but had not run yet: wait for
                     # room under the new mark before pulling (maybe urgent) a chunk
                     continue
             # checked after every wait: a frame may be queued while we were waiting
             if s.control:
-                await send_all(sock, [memoryview(s.control.pop(0).encode())])
+                lowat = s.notsent_lowat
+                await send_all(sock, [memoryview(s.control.pop(0).encode())], room=room)
+                has_room = room
                 continue
             ch = sched.next_chunk(s.index, trio.current_time())
             if ch is None:
                 await self._wait_change(sched.get_timer(s.index))
                 continue
-            await self._send_chunk(s, sock, ch)
+            lowat = s.notsent_lowat
+            await self._send_chunk(s, sock, ch, room)
+            has_room = room
 
     async def _check_express_window(self, s: _Stream, sock: Any) -> None:
         """A few RTTs after connecting: re-open the connection if the receiver's
@@ -880,7 +892,7 @@ class WanSender(Sender):
             log.debug("express stream %d: window %d bytes; re-opening", s.index, sample.snd_wnd)
             raise _Reopen
 
-    async def _send_chunk(self, s: _Stream, sock: Any, ch: Chunk) -> None:
+    async def _send_chunk(self, s: _Stream, sock: Any, ch: Chunk, room: bool) -> None:
         t = self._transfers.get(ch.transfer_id)
         if t is None:  # ended between scheduling and now
             return
@@ -897,14 +909,14 @@ class WanSender(Sender):
             header = ChunkHeader(
                 ch.transfer_id, ch.lo, ch.length, 0, self.algo, flags=K_CHUNK_FLAG_TRAILER
             ).encode()
-            await send_all(sock, [memoryview(header), *pieces], trail, len(header))
+            await send_all(sock, [memoryview(header), *pieces], trail, len(header), room=room)
             ch.checksum = trail.value()
             s.chunks_trailed += 1
         else:
             if ch.checksum is None:
                 ch.checksum = digest_of(pieces, self.algo)
             header = ChunkHeader(ch.transfer_id, ch.lo, ch.length, ch.checksum, self.algo).encode()
-            await send_all(sock, [memoryview(header), *pieces])
+            await send_all(sock, [memoryview(header), *pieces], room=room)
         s.bytes_sent += ch.length
         s.chunks_sent += 1
 
