@@ -191,8 +191,14 @@ async def test_a_send_with_room_ends_once_the_socket_has_room_again() -> None:
     an unsent mark M takes writes while under M unsent bytes but is writable
     only under M / 2, so 1.5 MiB written into a peer that does not read (its
     window takes at most a few hundred KiB) leaves it between the two."""
-    a, b = _pair()
-    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    with socket.socket() as srv:  # b's buffer small from the handshake on
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    for x in (a, b):
+        x.setblocking(False)
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
     set_notsent_lowat(a, 2 << 20)
     data = os.urandom(3 << 19)
