@@ -2,8 +2,8 @@
 
 Each process of each arm sends ``--transfers`` x 500 MB over the emulated
 30 ms / 0.1 % / 1 Gbit/s link (MTU 9000, the forwarder on a CPU of its own) to a
-fresh receiver; the arms alternate. An arm is Python run in the sender process
-before it sends (``--arm NAME=CODE``, e.g. ``notrail=import
+fresh receiver; the arms alternate. An arm is Python run in the sender and the
+receiver process before they start (``--arm NAME=CODE``, e.g. ``notrail=import
 pddnet.transport.wan._sender as s; s.K_TRAILER_MIN_CHUNK = 1 << 62``; the arm
 ``base`` runs nothing). ``--cprofile`` prints the first sender's profile with
 ``time.thread_time`` as the clock (the trio thread's CPU, not wall time).
@@ -62,6 +62,14 @@ for run in r["runs"]:
 """
 
 
+RECV = """
+import os, runpy, sys
+exec(os.environ.get("PDDNET_AB_PRE", ""))
+sys.argv = ["_wan_peer", "pdd-rx", "6100"]
+runpy.run_module("pddnet.bench._wan_peer", run_name="__main__")
+"""
+
+
 def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float, float, int, int]]:
     """Each thread of process ``pid``: (name, user s, system s, voluntary and
     involuntary context switches), from /proc."""
@@ -95,8 +103,9 @@ def _one(code: str, transfers: int, cprofile: bool) -> str:
         for host in (wan.p, wan.md):
             host.run(["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
         rx = wan.md.spawn(
-            [sys.executable, "-m", "pddnet.bench._wan_peer", "pdd-rx", "6100"],
+            [sys.executable, "-c", RECV],
             stdout=subprocess.DEVNULL,
+            env={**os.environ, **env},
         )
         time.sleep(2.0)  # the receiver is listening
         argv = [sys.executable, "-c", SEND, wan.md.addr, str(transfers)]

@@ -118,6 +118,10 @@ def test_paired_rounds_alternate_and_are_summarised(tmp_path: Path) -> None:
     assert len(s["discarded"]) == s["rounds_discarded"]
     (paired,) = rep["rounds"].values()
     assert [r["order"] for r in paired["log"]] == [["pddnet", "iperf3"], ["iperf3", "pddnet"]]
+    # one unmeasured warm-up round first (--warmup's default), each sender once
+    (warm,) = paired["warmup"]
+    assert warm["order"] == ["pddnet", "iperf3"]
+    assert all(warm[w]["goodput_gbps"] > 0.01 for w in warm["order"])
     for rec in paired["log"]:
         for who in rec["order"]:
             assert set(rec[who]["emu"]) >= {"cpu_fraction", "late_fraction", "tx_drops"}

@@ -134,6 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="paired pddnet/iperf3 rounds per link, alternating which goes first",
     )
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured rounds per link before them (each sender once; default 1)",
+    )
+    parser.add_argument(
         "--install-peers",
         action="store_true",
         help="install a missing iperf3 with apt-get (root)",
@@ -633,6 +639,19 @@ def emulated(
             names = ["pddnet"]
             if not args.no_baselines and "iperf3" not in args.missing:
                 names.append("iperf3")
+            # Unmeasured first: on a machine that sat idle the first sender
+            # processes paid 2-7x the CPU per GB of later ones, pddnet and iperf3
+            # alike (likely this VM's free page reporting: pages handed back to
+            # the host fault in again, charged to the guest thread touching them),
+            # and round 1 always starts with pddnet (docs/wan.md, "Session 12").
+            warmup: list[dict[str, Any]] = []
+            for w in range(args.warmup):
+                rec = {"order": names}
+                for who in names:
+                    res = measured(f"warm-up {who}", senders[who])
+                    rec[who] = {"goodput_gbps": _goodput(res), "cpu_s_per_gb": cpu_per_gb(res)}
+                    bar.advance(note=f"{name} warm-up {w + 1} {who}")
+                warmup.append(rec)
             log: list[dict[str, Any]] = []
             for r in range(args.rounds):
                 rec: dict[str, Any] = {"round": r + 1, "order": round_order(r, names)}
@@ -652,6 +671,7 @@ def emulated(
                 ]
             )
             paired["log"] = log
+            paired["warmup"] = warmup
             paired["emulator_cpus"] = {
                 "forwarder": wan.forwarder_cpu,
                 "hosts": sorted(wan.host_cpus) if wan.host_cpus is not None else None,
@@ -838,7 +858,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"iperf3 missing: {why}; the iperf3 comparison is skipped", file=sys.stderr)
     tls_steps = len(links) if args.tls_dir else 0
     per_round = 1 if args.no_baselines or args.missing else 2
-    steps = args.repeat + (per_round * args.rounds + 1) * len(links) + tls_steps
+    steps = args.repeat + (per_round * (args.rounds + args.warmup) + 1) * len(links) + tls_steps
     steps += 2 if links else 0
     rows: list[dict[str, Any]] = []
     prio = None
