@@ -646,12 +646,12 @@ def emulated(
             # and round 1 always starts with pddnet (docs/wan.md, "Session 12").
             warmup: list[dict[str, Any]] = []
             for w in range(args.warmup):
-                first: dict[str, Any] = {"order": names}
+                warm: dict[str, Any] = {"order": names}
                 for who in names:
                     res = measured(f"warm-up {who}", senders[who])
-                    first[who] = {"goodput_gbps": _goodput(res), "cpu_s_per_gb": cpu_per_gb(res)}
+                    warm[who] = {"goodput_gbps": _goodput(res), "cpu_s_per_gb": cpu_per_gb(res)}
                     bar.advance(note=f"{name} warm-up {w + 1} {who}")
-                warmup.append(first)
+                warmup.append(warm)
             log: list[dict[str, Any]] = []
             for r in range(args.rounds):
                 rec: dict[str, Any] = {"round": r + 1, "order": round_order(r, names)}
